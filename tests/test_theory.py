@@ -1,0 +1,227 @@
+"""The memory and communication model (zerolab.theory, chapters 1-2)."""
+import itertools
+
+import pytest
+
+import zerolab as zl
+from zerolab import network
+from zerolab.theory import (GB, OPTIMIZERS, PRECISIONS, activation_memory, comm_breakdown, comm_volume,
+                            deepspeed_estimate, estimate, format_paper_gb, step_comm_time, zero_table1)
+from zerolab.theory_comm import split_intra_inter
+
+# ZeRO paper (Rajbhandari et al., SC'20), Table 1, as printed: per-device GB for
+# DP degree -> (7.5B: Pos, Pos+g, Pos+g+p, 128B: ..., 1T: ...).
+PAPER_TABLE1 = {
+    1:    ("120", "120", "120", "2048", "2048", "2048", "16000", "16000", "16000"),
+    4:    ("52.5", "41.3", "30", "896", "704", "512", "7000", "5500", "4000"),
+    16:   ("35.6", "21.6", "7.5", "608", "368", "128", "4750", "2875", "1000"),
+    64:   ("31.4", "16.6", "1.88", "536", "284", "32", "4187", "2218", "250"),
+    256:  ("30.4", "15.4", "0.47", "518", "263", "8", "4046", "2054", "62.5"),
+    1024: ("30.1", "15.1", "0.12", "513", "257", "2", "4011", "2013", "15.6"),
+}
+MODELS = (7.5e9, 128e9, 1e12)
+
+
+@pytest.mark.parametrize("n", sorted(PAPER_TABLE1))
+def test_zero_paper_table1_every_cell(n):
+    table = zero_table1()
+    for (psi, stage), printed in zip(itertools.product(MODELS, (1, 2, 3)), PAPER_TABLE1[n]):
+        gb = table[(psi, n, stage)]
+        unit = 1 if gb >= 100 else (0.1 if gb >= 10 else 0.01)
+        assert abs(gb - float(printed)) < unit, (psi, n, stage, gb, printed)   # agrees to printed precision
+        assert format_paper_gb(gb) == printed, (psi, n, stage, gb, printed)   # and prints the same
+
+
+def test_seed_figures_7_5b_on_64():
+    assert [round(estimate(7.5e9, 64, s).gb(), 1) for s in (0, 1, 2, 3)] == [120.0, 31.4, 16.6, 1.9]
+    e = estimate(7.5e9, 1, 0)
+    assert (e.params, e.grads, e.optimizer) == (15 * GB, 15 * GB, 90 * GB)
+
+
+# bytes per parameter (params, grads, optimizer), written out independently of the code
+PER_PARAM = {
+    ("fp32", "adam"): (4, 4, 8), ("fp32", "adamw"): (4, 4, 8),
+    ("fp32", "sgd_momentum"): (4, 4, 4), ("fp32", "sgd"): (4, 4, 0),
+    ("mixed", "adam"): (2, 2, 12), ("mixed", "adamw"): (2, 2, 12),
+    ("mixed", "sgd_momentum"): (2, 2, 8), ("mixed", "sgd"): (2, 2, 4),
+    ("mixed_fp32_grads", "adam"): (2, 4, 12), ("mixed_fp32_grads", "adamw"): (2, 4, 12),
+    ("mixed_fp32_grads", "sgd_momentum"): (2, 4, 8), ("mixed_fp32_grads", "sgd"): (2, 4, 4),
+}
+
+
+@pytest.mark.parametrize("precision,optimizer", sorted(PER_PARAM))
+def test_per_stage_formulas(precision, optimizer):
+    p, g, k = PER_PARAM[(precision, optimizer)]
+    psi, n = 1_200_000, 8
+    expect = {0: (p * psi, g * psi, k * psi), 1: (p * psi, g * psi, k * psi // n),
+              2: (p * psi, g * psi // n, k * psi // n), 3: (p * psi // n, g * psi // n, k * psi // n)}
+    for stage, (ep, eg, ek) in expect.items():
+        e = estimate(psi, n, stage, precision, optimizer)
+        assert (e.params, e.grads, e.optimizer, e.total) == (ep, eg, ek, ep + eg + ek)
+        assert (e.host, e.nvme) == (0, 0)
+
+
+def test_padding_uses_ceil_shards():
+    e = estimate(10, 4, 3)                       # 10 params on 4 ranks -> shards of 3
+    assert (e.params, e.grads, e.optimizer) == (6, 6, 36)
+
+
+@pytest.mark.parametrize("precision,optimizer", sorted(PER_PARAM))
+def test_properties_monotonic_and_n1(precision, optimizer):
+    for psi, n in [(7.5e9, 64), (1e6 + 3, 7), (12345, 1)]:
+        totals = [estimate(psi, n, s, precision, optimizer).total for s in range(4)]
+        assert totals == sorted(totals, reverse=True)
+        if n == 1:
+            assert len(set(totals)) == 1
+    for s in range(4):
+        a, b = estimate(5e8, 1, s, precision, optimizer), estimate(5e8, 1, 0, precision, optimizer)
+        assert (a.params, a.grads, a.optimizer) == (b.params, b.grads, b.optimizer)
+
+
+def test_offload_moves_bytes_without_losing_them():
+    base = estimate(7.5e9, 64, 3)
+    opt_cpu = estimate(7.5e9, 64, 3, offload_optimizer="cpu")
+    assert (opt_cpu.optimizer, opt_cpu.host, opt_cpu.nvme) == (0, base.optimizer, 0)
+    assert opt_cpu.params == base.params and opt_cpu.grads == base.grads
+    both = estimate(7.5e9, 64, 3, offload_optimizer="nvme", offload_param="cpu")
+    assert (both.params, both.optimizer, both.host, both.nvme) == (0, 0, base.params, base.optimizer)
+    both_nvme = estimate(7.5e9, 64, 3, offload_optimizer="nvme", offload_param="nvme")
+    assert both_nvme.nvme == base.params + base.optimizer and both_nvme.total == base.grads
+    for e in (opt_cpu, both, both_nvme):
+        assert e.all_tiers == base.total
+    z2 = estimate(7.5e9, 8, 2, offload_optimizer="cpu")
+    assert z2.total == 2 * 7.5e9 + 2 * 7.5e9 / 8 and z2.host == 12 * 7.5e9 / 8
+
+
+@pytest.mark.parametrize("kwargs,names", [
+    (dict(stage=5), ["stage", "(0, 1, 2, 3)"]),
+    (dict(stage=1, offload_param="cpu"), ["offload_param", "stage 3"]),
+    (dict(stage=0, offload_optimizer="cpu"), ["offload_optimizer", "stage 1, 2 or 3"]),
+    (dict(precision="fp8"), ["precision", "mixed_fp32_grads"]),
+    (dict(optimizer="lamb"), ["optimizer", "sgd_momentum"]),
+    (dict(stage=3, offload_param="disk"), ["offload_param", "nvme"]),
+    (dict(n_gpus=0), ["n_gpus", ">= 1"]),
+    (dict(psi=0), ["psi", "> 0"]),
+    (dict(psi=-5), ["psi", "> 0"]),
+])
+def test_bad_input_names_argument_and_allowed(kwargs, names):
+    args = dict(psi=1e9, n_gpus=8, stage=2) | kwargs
+    with pytest.raises(ValueError) as err:
+        estimate(**args)
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_lazy_exports():
+    assert zl.estimate is estimate and zl.comm_volume is comm_volume
+    assert zl.activation_memory is activation_memory
+    assert set(PRECISIONS) == {"fp32", "mixed", "mixed_fp32_grads"} and "adam" in OPTIMIZERS
+
+
+# ---- activations ----
+
+def test_activation_memory_korthikanti():
+    L, h, a, s, b = 24, 2048, 16, 2048, 4
+    per_layer = s * b * h * (34 + 5 * a * s / h)         # the paper's 16-bit formula, bytes
+    assert activation_memory(L, h, a, s, b) == L * per_layer
+    assert activation_memory(L, h, a, s, b, checkpointing=True) == L * 2 * s * b * h + per_layer
+    # fp32: every 16-bit tensor doubles, the 1-byte dropout masks do not: 66 sbh + 9 a s^2 b
+    assert activation_memory(L, h, a, s, b, dtype_bytes=4) == L * (66 * s * b * h + 9 * a * s * s * b)
+    assert activation_memory(L, h, a, s, b, checkpointing=True) < activation_memory(L, h, a, s, b) / 10
+    with pytest.raises(ValueError, match="heads"):
+        activation_memory(L, h, 0, s, b)
+
+
+# ---- DeepSpeed's estimators ----
+
+def test_deepspeed_estimators():
+    psi, n, largest = 7_000_000_000, 64, 200_000_000
+    assert deepspeed_estimate(psi, n, 2).gpu == 2 * psi + 18 * psi // n
+    assert deepspeed_estimate(psi, n, 2, offload_optimizer=True).gpu == 2 * psi
+    assert deepspeed_estimate(psi, n, 3, largest_layer=largest).gpu == 4 * largest + 18 * psi // n
+    assert deepspeed_estimate(psi, n, 3, largest_layer=largest, offload_optimizer=True).gpu \
+        == 4 * largest + 2 * psi // n
+    off = deepspeed_estimate(psi, n, 3, largest_layer=largest, offload_optimizer=True, offload_param=True,
+                             gpus_per_node=8)
+    assert off.gpu == 4 * largest and off.cpu == int(psi * 18 / 8 * 1.5)
+    # the 1.5 buffer factor scales only the CPU figure
+    a = deepspeed_estimate(psi, n, 2, gpus_per_node=8)
+    b = deepspeed_estimate(psi, n, 2, gpus_per_node=8, buffer_factor=1.0)
+    assert a.gpu == b.gpu and a.cpu == int(1.5 * b.cpu) == int(psi * 4 * 8 * 1.5)
+    # ours is smaller than DeepSpeed's ZeRO-2 figure by exactly 4 psi / N (its fp32 gradient partition)
+    assert deepspeed_estimate(psi, n, 2).gpu - estimate(psi, n, 2).total == 4 * psi // n
+    with pytest.raises(ValueError, match="largest_layer"):
+        deepspeed_estimate(psi, n, 3)
+
+
+# ---- communication ----
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 64])
+def test_comm_volume_closed_forms(n):
+    psi, d = 8_000_000 * 64, 2                          # divisible by every n: no padding
+    m = psi * d
+    for stage in (0, 1, 2):
+        assert comm_volume(psi, n, stage) == 2 * m * (n - 1) // n
+    assert comm_volume(psi, n, 3) == 3 * m * (n - 1) // n
+    for g in (1, 2, 5):
+        assert comm_volume(psi, n, 0, grad_accum=g) == 2 * m * (n - 1) // n
+        assert comm_volume(psi, n, 1, grad_accum=g) == 2 * m * (n - 1) // n
+        assert comm_volume(psi, n, 2, grad_accum=g) == (g + 1) * m * (n - 1) // n
+        assert comm_volume(psi, n, 3, grad_accum=g) == 3 * g * m * (n - 1) // n
+
+
+def test_comm_volume_is_sum_of_ring_bytes():
+    for psi, n, stage, g, gpn, flags in itertools.product(
+            (1000, 7.5e9, 12_345_679), (1, 3, 16), range(4), (1, 3), (None, 4), ((0, 0, 0), (1, 1, 1), (1, 0, 0))):
+        if stage < 3 and any(flags) or (flags[2] and gpn is None):
+            continue
+        qw, qg, hpz = map(bool, flags)
+        ops = comm_breakdown(psi, n, stage, 2, g, gpn, qw, qg, hpz)
+        by_hand = sum(op.count * network.ring_bytes(op.op, op.nbytes, op.group) for op in ops)
+        assert comm_volume(psi, n, stage, 2, g, gpn, qw, qg, hpz) == by_hand
+        split = split_intra_inter(ops)
+        assert split["intra"] + split["inter"] == by_hand
+
+
+def test_zeropp_flags():
+    psi, n, gpn = 64_000_000, 64, 8
+    m, r = 2 * psi, 63 / 64
+    ops = {o.what: o for o in comm_breakdown(psi, n, 3, gpus_per_node=gpn)}
+    assert ops["params-forward"].bytes == m * r and ops["grads"].bytes == m * r
+    qw = comm_volume(psi, n, 3, quantized_weights=True)
+    qg = comm_volume(psi, n, 3, quantized_gradients=True)
+    assert comm_volume(psi, n, 3) - qw == m * r / 2            # forward all-gather halved
+    assert comm_volume(psi, n, 3) - qg == m * r * 3 / 4        # reduce-scatter quartered
+    allpp = comm_breakdown(psi, n, 3, gpus_per_node=gpn, quantized_weights=True,
+                           quantized_gradients=True, hpz=True)
+    split = split_intra_inter(allpp)
+    assert split["inter"] == 0.75 * m * r                      # ZeRO++: 3M -> 0.75M cross-node
+    assert split["intra"] == m * 7 / 8                         # backward all-gather inside the node of 8
+    plain = split_intra_inter(comm_breakdown(psi, n, 3, gpus_per_node=gpn))
+    assert plain == {"intra": 0, "inter": 3 * m * r}
+    one_node = split_intra_inter(comm_breakdown(psi, 8, 3, gpus_per_node=8))
+    assert one_node["inter"] == 0
+    with pytest.raises(ValueError, match="stage 3"):
+        comm_volume(psi, n, 2, quantized_weights=True)
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        comm_volume(psi, n, 3, hpz=True)
+
+
+def test_step_comm_time_alpha_beta():
+    psi, n = 1_000_000_000, 8
+    link = network.LINKS["nvlink3"]
+    t = step_comm_time(psi, n, 0, "nvlink3")
+    assert t == pytest.approx(2 * (n - 1) * link.latency + 2 * 2 * psi * (n - 1) / n / link.bandwidth)
+    # stage 3 with g=2: 6 collectives of n-1 steps each
+    t3 = step_comm_time(psi, n, 3, link, grad_accum=2)
+    assert t3 == pytest.approx(6 * ((n - 1) * link.latency + 2 * psi * (n - 1) / n / link.bandwidth))
+    # buckets add latency only
+    tb = step_comm_time(psi, n, 0, link, bucket_elems=psi // 10)
+    assert tb - t == pytest.approx(9 * 2 * (n - 1) * link.latency)
+    # spanning nodes: world collectives use the inter-node link
+    ib = network.LINKS["infiniband-200g"]
+    t16 = step_comm_time(psi, 16, 3, link, inter_link=ib, gpus_per_node=8)
+    assert t16 == pytest.approx(3 * ib.time("all_gather", 2 * psi, 16))
+    thpz = step_comm_time(psi, 16, 3, link, inter_link=ib, gpus_per_node=8, hpz=True)
+    assert thpz == pytest.approx(2 * ib.time("all_gather", 2 * psi, 16) + link.time("all_gather", 2 * psi, 8))
+    assert step_comm_time(psi, 1, 3, link) == 0
