@@ -1,0 +1,4 @@
+"""`python -m zerolab ...`: the command line (see zerolab.cli)."""
+from zerolab.cli import main
+
+main()
