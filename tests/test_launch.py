@@ -1,0 +1,197 @@
+"""zl.launch: results in rank order, failures named fast, no orphans, no collisions."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerolab as zl
+
+PY = sys.executable
+
+
+def _rank_info(x):
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), x, t.item(), torch.get_num_threads(), os.getpid()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_results_in_rank_order_and_threads(n):
+    res = zl.launch(_rank_info, n, args=("hi",))
+    cores = zl.launch.__globals__["cpu_count"]()
+    assert [r[0] for r in res] == list(range(n))
+    assert all(r[1] == n and r[2] == "hi" and r[3] == n * (n - 1) / 2 for r in res)
+    assert all(r[4] == max(1, cores // n) for r in res)
+    assert len({r[5] for r in res} | {os.getpid()}) == n + 1     # one process per rank
+    assert not psutil.Process().children(recursive=True)
+
+
+def _fail_on_rank(bad, n_steps):
+    t = torch.ones(1)
+    for _ in range(n_steps):
+        if dist.get_rank() == bad:
+            raise ValueError(f"deliberate failure on rank {bad}")
+        dist.all_reduce(t)          # the others block here
+    return t.item()
+
+
+def test_failing_rank_is_named_with_traceback_within_seconds():
+    t0 = time.monotonic()
+    with pytest.raises(zl.LaunchError) as info:
+        zl.launch(_fail_on_rank, 4, args=(2, 3), timeout=60)
+    elapsed = time.monotonic() - t0
+    assert info.value.rank == 2
+    assert "rank 2 of 4 failed" in str(info.value)
+    assert "ValueError: deliberate failure on rank 2" in info.value.remote_traceback
+    assert "_fail_on_rank" in info.value.remote_traceback      # the rank's own frames
+    assert elapsed < 5, elapsed
+    assert not psutil.Process().children(recursive=True)
+
+
+def _hang():
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    return "done"
+
+
+def test_hanging_rank_times_out_and_is_killed():
+    t0 = time.monotonic()
+    with pytest.raises(zl.LaunchError, match=r"timed out after 1.5 s: rank\(s\) \[1\] of 2"):
+        zl.launch(_hang, 2, timeout=1.5)
+    assert time.monotonic() - t0 < 5
+    assert not psutil.Process().children(recursive=True)
+
+
+def _exit_hard():
+    if dist.get_rank() == 0:
+        os._exit(3)
+    time.sleep(600)
+
+
+def test_rank_that_dies_without_a_result():
+    with pytest.raises(zl.LaunchError, match="rank 0 of 2 exited with code 3"):
+        zl.launch(_exit_hard, 2, timeout=30)
+    assert not psutil.Process().children(recursive=True)
+
+
+def _chatty():
+    print("this must not reach the parent's stdout")
+    print("nor this", file=sys.stderr)
+    warnings.warn("shared warning")
+    if dist.get_rank() == 1:
+        warnings.warn("only rank one", RuntimeWarning)
+    return dist.get_rank()
+
+
+def test_children_do_not_print_and_warnings_come_back_once(capfd):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert zl.launch(_chatty, 3) == [0, 1, 2]
+    out, err = capfd.readouterr()
+    assert "must not reach" not in out + err and "nor this" not in out + err
+    msgs = [(w.category, str(w.message)) for w in caught if "warning" in str(w.message) or "rank one" in str(w.message)]
+    assert msgs == [(UserWarning, "[ranks 0, 1, 2] shared warning"), (RuntimeWarning, "[rank 1] only rank one")]
+
+
+def _unpicklable():
+    return threading.Lock()
+
+
+def test_unpicklable_result_is_a_clear_error():
+    with pytest.raises(zl.LaunchError, match="could not be pickled"):
+        zl.launch(_unpicklable, 2)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        zl.launch(_rank_info, 0)
+    with pytest.raises(ValueError, match="backend"):
+        zl.launch(_rank_info, 2, backend="mpi")
+    with pytest.raises(TypeError, match="callable"):
+        zl.launch(42, 2)
+
+
+def test_twenty_launches_in_a_row():
+    for i in range(20):
+        assert [r[2] for r in zl.launch(_rank_info, 2, args=(i,))] == [i, i]
+
+
+def test_spawn_with_a_local_closure_serialised_by_value():
+    offset = 41
+
+    def local(x):                     # not importable: must travel by value
+        return dist.get_rank() + x + offset
+
+    assert zl.launch(local, 2, args=(1,), start_method="spawn", timeout=60) == [42, 43]
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time, torch, torch.distributed as dist, zerolab as zl
+    def work(tag, pidfile):
+        with open(pidfile + str(dist.get_rank()), "w") as f:
+            f.write(str(os.getpid()))
+        if tag == "sleep":
+            time.sleep(600)
+        t = torch.ones(4) * dist.get_rank()
+        for _ in range(50):
+            dist.all_reduce(t)
+        return tag
+    if __name__ == "__main__":
+        print(zl.launch(work, int(sys.argv[2]), args=(sys.argv[1], sys.argv[3])), flush=True)
+""")
+
+
+def _script(tmp_path):
+    path = tmp_path / "job.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_two_launches_at_once_do_not_collide(tmp_path):
+    path = _script(tmp_path)
+    procs = [subprocess.Popen([PY, str(path), f"job{i}", "2", str(tmp_path / f"p{i}_")],
+                              stdout=subprocess.PIPE, text=True) for i in range(3)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert outs == ["['job0', 'job0']", "['job1', 'job1']", "['job2', 'job2']"]
+
+
+def _wait_for_pids(prefix, n, timeout=20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [f"{prefix}{r}" for r in range(n)]
+        if all(os.path.exists(f) and open(f).read() for f in files):
+            return [int(open(f).read()) for f in files]
+        time.sleep(0.05)
+    raise AssertionError("ranks never started")
+
+
+def _gone(pids, timeout=5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_interrupt_or_killed_parent_leaves_no_orphans(tmp_path, sig):
+    """SIGINT is what 'interrupt the kernel' sends; SIGKILL is a crashed kernel."""
+    path = _script(tmp_path)
+    parent = subprocess.Popen([PY, str(path), "sleep", "3", str(tmp_path / "p_")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = _wait_for_pids(str(tmp_path / "p_"), 3)
+    parent.send_signal(sig)
+    out, err = parent.communicate(timeout=30)
+    if sig == signal.SIGINT:
+        assert "KeyboardInterrupt" in err
+    assert _gone(pids), "rank processes survived their parent"
