@@ -1,0 +1,85 @@
+"""The engines: ``zl.initialize(model, config)`` (chapters 3-5; stage 3 in chapter 6).
+
+One file per idea: ``flat`` (the flat, padded per-unit buffers every stage
+shares), ``precision`` (dtypes and the fp16 loss scaler), ``optim`` (the
+optimizer over a flat shard, clipping, schedules), ``base`` (the training
+loop), then ``stage0`` (DDP), ``stage1`` (+ optimizer-state partitioning) and
+``stage2`` (+ gradient partitioning).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..config import Config, ConfigError
+from .base import Engine, make_communicator
+from .stage0 import Stage0Engine
+from .stage1 import Stage1Engine
+from .stage2 import Stage2Engine
+
+__all__ = ["initialize", "gathered_parameters", "Engine", "Stage0Engine", "Stage1Engine", "Stage2Engine"]
+
+ENGINES = {0: Stage0Engine, 1: Stage1Engine, 2: Stage2Engine}
+
+
+def initialize(model: nn.Module, config, link=None) -> Engine:
+    """Wrap ``model`` in the engine for ``config``'s ZeRO stage (a dict, a path or a ``zl.Config``).
+
+    Call it on every rank with the same model; rank 0's parameters and buffers
+    are broadcast to the others. Raises ``ConfigError`` / ``ValueError`` for
+    what the engine cannot do, before touching the model.
+    """
+    cfg = Config.from_any(config)
+    if link is not None:
+        cfg.link = link
+    communicator = make_communicator(cfg.link)
+    cfg = cfg.with_world_size(communicator.world_size)
+    _check_supported(model, cfg)
+    return ENGINES[cfg.zero.stage](model, cfg, communicator)
+
+
+def _check_supported(model: nn.Module, cfg) -> None:
+    z = cfg.zero
+    if z.stage not in ENGINES:
+        raise ConfigError(f"zero_optimization.stage: stage {z.stage} is not implemented yet "
+                          f"(implemented: {sorted(ENGINES)})")
+    if z.zeropp:
+        raise ConfigError(f"zero_optimization: ZeRO++ ({', '.join(z.zeropp)}) is not implemented yet")
+    if z.offload_optimizer.device != "none":
+        raise ConfigError(f"zero_optimization.offload_optimizer.device: '{z.offload_optimizer.device}' "
+                          f"offload is not implemented yet; use 'none'")
+    if z.offload_param.device != "none":
+        raise ConfigError("zero_optimization.offload_param: parameter offload needs stage 3 and is not "
+                          "implemented yet; use 'none'")
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to train")
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
+        raise ValueError(f"all parameters must share one floating dtype; found {sorted(map(str, dtypes))}")
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device; found {sorted(map(str, devices))}")
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            raise ValueError(f"{name}: sparse gradients (sparse=True) are not supported; use sparse=False")
+    for p in params:
+        if getattr(p, "_zerolab_engine", False):
+            raise ValueError("this model is already wrapped by a zerolab engine; build a fresh model")
+        if p.grad is not None and p.grad.is_sparse:
+            raise ValueError("sparse gradients are not supported")
+    for p in params:
+        p._zerolab_engine = True
+
+
+@contextmanager
+def gathered_parameters(engine: Engine, modules_or_params=None, modifier_rank=None):
+    """Make full parameters readable inside the block (chapter 6).
+
+    Stages 0-2 keep every parameter whole on every rank, so this is a no-op
+    there; stage 3 gathers the shards (issue 5).
+    """
+    yield

@@ -1,0 +1,308 @@
+"""The engine every stage shares: forward, backward, step, memory (chapter 3).
+
+``Engine`` is DeepSpeed-shaped: ``engine(*inputs)``, ``engine.backward(loss)``
+and ``engine.step()`` are called for every micro-batch; the engine decides when
+the gradient-accumulation boundary is and only then updates the parameters.
+
+What a stage changes is small and named (stage files override these):
+
+    own(buf, u)           which part of a unit this rank updates (stage 0: all of it)
+    keep_grad(p)          where a parameter's fresh gradient goes (hook, during backward)
+    reduce_bucket(b)      the collective for one gradient bucket (during backward)
+    owned_grads()         this rank's reduced gradients, one tensor per unit, for the step
+    after_update()        what follows the optimizer step (stages 1-2: all-gather params)
+
+Gradient buckets (``reduce_bucket_size`` elements, whole units, last unit
+first) are reduced as soon as every parameter in them has its gradient, in
+bucket order on every rank, asynchronously when ``overlap_comm`` is on. A hook
+queued at the end of backward flushes buckets holding unused parameters and
+waits for what is in flight. Collectives *sum* gradients; the step divides
+by N (together with the loss-scale and clipping factors), so no extra pass.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import CommLedger, Communicator
+from ..measure import MemoryReport
+from ..network import get_link
+from .flat import FlatParams, group_units
+from .optim import ShardedOptimizer, clip_coefficient, make_scheduler, sum_of_squares
+from .precision import DynamicLossScaler, precision_of
+
+
+def make_communicator(link=None) -> Communicator:
+    """The process group's communicator; a one-rank one when torch.distributed is not initialised."""
+    if dist.is_initialized():
+        return Communicator(link=link)
+    c = Communicator.__new__(Communicator)  # single process: every collective is a local copy
+    c.group, c.rank, c.world_size, c._link_free_at = None, 0, 1, 0.0
+    c.ledger = CommLedger(link=get_link(link))
+    return c
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def _cast_floats(x, dtype):
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast_floats(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: _cast_floats(v, dtype) for k, v in x.items()}
+    return x
+
+
+class Engine:
+    stage = 0
+    shards_optimizer = False        # stages 1+: the optimizer holds only this rank's shard
+    reduce_every_micro_step = False  # stage 2: gradients cannot wait for the boundary
+
+    def __init__(self, model: nn.Module, cfg, communicator: Communicator | None = None):
+        self.module, self.config = model, cfg
+        self.communicator = communicator or make_communicator(cfg.link)
+        self.rank, self.world_size = self.communicator.rank, self.communicator.world_size
+        self.precision = precision_of(cfg)
+        self.gas = cfg.gradient_accumulation_steps
+        self.overlap_comm = bool(cfg.zero.overlap_comm)
+        device = next(model.parameters()).device
+        self.flat = FlatParams(model, self.world_size, self.rank, self.precision.compute_dtype, device)
+        for m in model.modules():  # buffers compute in the compute dtype too (as module.to(dtype))
+            for k, b in m._buffers.items():
+                if b is not None and b.is_floating_point():
+                    m._buffers[k] = b.to(self.precision.compute_dtype)
+        self._broadcast_initial_state()
+
+        units = self.flat.units
+        self.buckets = group_units(units, cfg.zero.reduce_bucket_size)
+        self.gather_buckets = group_units(units, cfg.zero.allgather_bucket_size)
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for u in b for _, p in u.params}
+        self._bucket_params = [sum(len(u.params) for u in b) for b in self.buckets]
+
+        self.build_grads()
+        # the update targets, one fp32 tensor per unit: the rank's own params (fp32) or its master copy
+        owned_numel = sum(self.own(self.flat.flat, u).numel() for u in units)
+        if self.precision.has_master:
+            self.master = torch.empty(owned_numel, dtype=torch.float32, device=device)  # fp32 master: owned numel
+            self.targets, off = [], 0
+            for u in units:
+                own = self.own(self.flat.flat, u)
+                self.targets.append(self.master[off: off + own.numel()])
+                self.targets[-1].copy_(own)
+                off += own.numel()
+        else:
+            self.master = None
+            self.targets = [self.own(self.flat.flat, u) for u in units]
+        self.optimizer = ShardedOptimizer(cfg.optimizer.type, cfg.optimizer.params, self.targets)
+        self.scheduler = make_scheduler(cfg.scheduler)
+        self.scaler = DynamicLossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
+
+        self.micro_steps = self.global_steps = self.skipped_steps = 0
+        self._pending = []  # [(handle, finish or None, tensors kept alive until finished)]
+        self._in_backward, self._reducing, self._reduced = False, False, True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.flat.params()]
+
+    # ---------------------------------------------------------------- what a stage defines
+    def own(self, buf: torch.Tensor, u) -> torch.Tensor:
+        raise NotImplementedError
+
+    def build_grads(self) -> None:
+        raise NotImplementedError
+
+    def keep_grad(self, p) -> None:
+        raise NotImplementedError
+
+    def reduce_bucket(self, i: int) -> None:
+        raise NotImplementedError
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def zero_grads(self) -> None:
+        raise NotImplementedError
+
+    def after_update(self) -> None:
+        raise NotImplementedError
+
+    def grad_bytes(self) -> int:
+        raise NotImplementedError
+
+    def track(self, handle, finish=None, keep=()) -> None:
+        """Finish a collective now if it is done (overlap off), else when backward ends."""
+        if handle.done:
+            if finish is not None:
+                finish()
+        else:
+            self._pending.append((handle, finish, keep))
+
+    def transient_bytes(self) -> int:
+        """Bytes in staging buffers and in-flight temporaries right now."""
+        storages = {t.untyped_storage().data_ptr(): _nbytes(t) for _, _, keep in self._pending for t in keep}
+        return sum(storages.values())
+
+    # ---------------------------------------------------------------- the training loop
+    def forward(self, *args, **kwargs):
+        if self.precision.compute_dtype != torch.float32:
+            args, kwargs = _cast_floats(args, self.precision.compute_dtype), _cast_floats(kwargs, self.precision.compute_dtype)
+        return self.module(*args, **kwargs)
+
+    __call__ = forward
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gas == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss / gradient_accumulation_steps (x the fp16 loss scale), then autograd."""
+        self._reducing = self.reduce_every_micro_step or self.is_gradient_accumulation_boundary()
+        self._left = list(self._bucket_params)
+        self._ready = [False] * len(self.buckets)
+        self._next_bucket, self._pending = 0, []
+        self._reduced = not self._reducing
+        factor = (self.scaler.scale if self.scaler else 1.0) / self.gas
+        (loss.float() * factor if factor != 1.0 else loss).backward()
+        if self._reducing and not self._reduced:   # no parameter got a gradient at all
+            self._end_of_backward()
+
+    def _grad_hook(self, p) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.keep_grad(p)
+        if self._reducing:
+            i = self._bucket_of[id(p)]
+            self._left[i] -= 1
+            if self._left[i] == 0:
+                self._ready[i] = True
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Issue ready buckets in bucket order (every rank must call collectives in the same order)."""
+        while self._next_bucket < len(self.buckets) and self._ready[self._next_bucket]:
+            self.reduce_bucket(self._next_bucket)
+            self._next_bucket += 1
+
+    def _end_of_backward(self) -> None:
+        self._in_backward = False
+        if not self._reducing:
+            return
+        self._ready = [True] * len(self.buckets)  # unused parameters: their (zero) gradients go as they are
+        self._launch_ready()
+        for handle, finish, _ in self._pending:
+            handle.wait()
+            if finish is not None:
+                finish()
+        self._pending = []
+        self._reduced = True
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Called every micro-batch; updates the parameters at the accumulation boundary."""
+        self.micro_steps += 1
+        if self.micro_steps % self.gas:
+            return
+        grads = self.owned_grads()
+        if self.scaler is not None and self._overflow(grads):
+            self.scaler.update(True)
+            self.skipped_steps += 1
+            self.zero_grads()
+            return
+        scale = 1.0 / (self.world_size * (self.scaler.scale if self.scaler else 1.0))  # sum -> mean, unscale
+        if self.config.gradient_clipping > 0:
+            sq = sum_of_squares(grads) * scale ** 2
+            if self.shards_optimizer:
+                self.communicator.all_reduce(sq, tag="grad-norm")
+            scale *= clip_coefficient(float(sq.sqrt()), self.config.gradient_clipping)
+        if self.precision.grad_dtype != torch.float32:
+            grads = [g.float() for g in grads]  # fp32 copy of the 16-bit shard: transient
+        if scale != 1.0:
+            torch._foreach_mul_(grads, scale)
+        self.optimizer.step(grads, self.get_lr())
+        if self.master is not None:
+            torch._foreach_copy_([self.own(self.flat.flat, u) for u in self.flat.units], self.targets)
+        self.after_update()
+        self.zero_grads()
+        self.global_steps += 1
+        if self.scaler is not None:
+            self.scaler.update(False)
+
+    def _overflow(self, grads) -> bool:
+        """fp16: inf/nan anywhere in any rank's shard -> every rank skips (all-reduce MAX)."""
+        from .precision import local_overflow
+        flag = torch.tensor([1.0 if local_overflow(grads) else 0.0])
+        self.communicator.all_reduce(flag, op="max", tag="overflow")
+        return bool(flag.item())
+
+    def get_lr(self) -> float:
+        """The learning rate of the next optimizer step (the scheduler counts taken steps only)."""
+        if self.scheduler is None:
+            return self.optimizer.lr
+        return self.scheduler.lr(self.optimizer.step_count)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    # ---------------------------------------------------------------- setup, inspection
+    def _broadcast_initial_state(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers (as DDP does)."""
+        if self.world_size == 1:
+            return
+        c = self.communicator
+        c.broadcast(self.flat.flat, src=0, tag="init-params")
+        for _, p in self.flat.frozen:
+            c.broadcast(p.data, src=0, tag="init-frozen")
+        for _, b in self.module.named_buffers():
+            c.broadcast(b, src=0, tag="init-buffers")
+
+    @property
+    def comm(self) -> CommLedger:
+        return self.communicator.ledger
+
+    def memory(self) -> MemoryReport:
+        """Bytes this rank holds right now, by category (chapter 1's Table 1, measured)."""
+        frozen = {p.untyped_storage().data_ptr(): _nbytes(p) for _, p in self.flat.frozen}
+        buffers = {b.untyped_storage().data_ptr(): _nbytes(b) for b in self.module.buffers()}
+        return MemoryReport(
+            params=_nbytes(self.flat.flat) + sum(frozen.values()),
+            grads=self.grad_bytes(),
+            optimizer=_nbytes(self.master) + self.optimizer.nbytes(),
+            buffers=sum(buffers.values()) + self.transient_bytes())
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """Collective: the model's state dict with consolidated fp32 parameters, on every rank."""
+        full = torch.zeros(self.flat.padded, dtype=torch.float32, device=self.flat.device)  # fp32: padded Ψ
+        for u, t in zip(self.flat.units, self.targets):
+            if self.shards_optimizer:
+                self.communicator.all_gather(self.flat.unit_view(full, u), t.contiguous(), tag="state-dict")
+            else:
+                self.flat.unit_view(full, u).copy_(t)
+        where = {id(p): (u.offset + off, p.shape) for u in self.flat.units for (_, p), off in zip(u.params, u.offsets)}
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in where:
+                start, shape = where[id(t)]
+                out[name] = full[start: start + shape.numel()].view(shape).clone()
+            else:
+                out[name] = t.detach().float().clone() if t.is_floating_point() else t.detach().clone()
+        return out
+
+    def close(self) -> None:
+        """Remove the hooks (the model keeps its flat-buffer parameters)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,63 @@
+"""Stage 1: ZeRO-1, optimizer-state partitioning (chapter 4).
+
+Stage 0 plus one idea: the optimizer state (Adam's m and v, and the fp32
+master weights in mixed precision) is split N ways. Rank r keeps and updates
+only its shard, the contiguous slice ``[r*S, (r+1)*S)`` of every unit, so it
+only needs the *reduced* gradient for that slice:
+
+    backward (boundary micro-batch): reduce-scatter each gradient bucket  -> rank r gets its S
+    step:                            update the shard (fp32)
+    after the step:                  all-gather the updated parameters    -> everyone has all Ψ
+
+A reduce-scatter plus an all-gather moves the same bytes as one all-reduce
+(2Ψ(N-1)/N), so ZeRO-1 saves 12Ψ(N-1)/N bytes of optimizer state for free.
+Gradients are still accumulated whole (Ψ elements) until the boundary.
+"""
+from __future__ import annotations
+
+import torch
+
+from .flat import rank_major, unpack_rank_major
+from .stage0 import Stage0Engine
+
+
+class Stage1Engine(Stage0Engine):
+    stage = 1
+    shards_optimizer = True
+
+    def own(self, buf: torch.Tensor, u) -> torch.Tensor:
+        """The part of unit ``u`` this rank updates: its shard ``[r*S, (r+1)*S)``."""
+        return self.flat.own_view(buf, u)
+
+    def reduce_bucket(self, i: int) -> None:
+        self.reduce_scatter_grads(i)
+
+    def reduce_scatter_grads(self, i: int) -> None:
+        """Reduce-scatter bucket ``i``: rank r receives the sum of every rank's r-th shard
+        of each unit, written into its own slice of the flat gradients."""
+        b = self.buckets[i]
+        inp = rank_major([self.flat.unit_view(self.grads, u) for u in b], self.world_size)  # (N * ΣS,)
+        out = torch.empty(sum(u.shard for u in b), dtype=self.grads.dtype, device=self.grads.device)  # (ΣS,)
+        h = self.communicator.reduce_scatter(out, inp, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
+
+        def finish():
+            torch._foreach_copy_([self.own(self.grads, u) for u in b], list(out.split([u.shard for u in b])))
+        self.track(h, finish, (inp, out) if len(b) > 1 else (out,))
+
+    def after_update(self) -> None:
+        self.all_gather_params()
+
+    def all_gather_params(self) -> None:
+        """Every rank sends its updated shard of each unit and receives everyone else's."""
+        flat, n = self.flat, self.world_size
+        pending = []
+        for i, b in enumerate(self.gather_buckets):
+            fulls = [flat.unit_view(flat.flat, u) for u in b]
+            inp = torch.cat([self.own(flat.flat, u) for u in b])  # (ΣS,) this rank's shards, a copy
+            out = fulls[0] if len(b) == 1 else torch.empty(n * inp.numel(), dtype=inp.dtype, device=inp.device)
+            h = self.communicator.all_gather(out, inp, async_op=self.overlap_comm, tag=f"param-bucket-{i}")
+            pending.append((h, b, fulls, out, inp))
+        for h, b, fulls, out, inp in pending:
+            h.wait()
+            if len(b) > 1:
+                unpack_rank_major(out, fulls, n)
