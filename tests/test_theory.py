@@ -225,3 +225,15 @@ def test_step_comm_time_alpha_beta():
     thpz = step_comm_time(psi, 16, 3, link, inter_link=ib, gpus_per_node=8, hpz=True)
     assert thpz == pytest.approx(2 * ib.time("all_gather", 2 * psi, 16) + link.time("all_gather", 2 * psi, 8))
     assert step_comm_time(psi, 1, 3, link) == 0
+
+
+def test_estimate_config_reads_stage_precision_optimizer_offload():
+    from zerolab.theory import estimate_config
+    ds = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+          "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    e = estimate_config(1000, 4, ds)
+    assert (e.stage, e.precision, e.optimizer_name, e.offload_optimizer) == (3, "mixed_fp32_grads", "sgd_momentum", "cpu")
+    assert (e.params, e.grads, e.optimizer, e.host) == (2 * 250, 4 * 250, 0, 8 * 250)
+    plain = estimate_config(1000, 4, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert (plain.precision, plain.optimizer_name, plain.total) == ("fp32", "sgd", 8 * 1000)

@@ -134,7 +134,7 @@ def estimate_table(args) -> str:
     if gpn is not None:
         rows.append(("  of which inter-node", lambda c: fmt_bytes(c["inter"])))
     where = f"{link}" + (f" in-node, {inter} between nodes" if inter else "")
-    rows.append((f"comm time per step", lambda c: fmt_seconds(c["time"])))
+    rows.append(("comm time per step", lambda c: fmt_seconds(c["time"])))
     ds = {2: deepspeed_estimate(psi, n, 2, offload_optimizer=s["offload_optimizer"] != "none").gpu}
     if args.largest_layer:
         ds[3] = deepspeed_estimate(psi, n, 3, largest_layer=args.largest_layer,

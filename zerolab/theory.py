@@ -37,7 +37,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
-from zerolab.theory_comm import CommOp, comm_breakdown, comm_volume, step_comm_time  # noqa: F401 (re-export)
+from zerolab.theory_comm import (CommOp, comm_breakdown, comm_volume, split_intra_inter,  # noqa: F401
+                                 step_comm_time)  # re-exported
 
 GB = 10**9
 STAGES = (0, 1, 2, 3)
@@ -138,6 +139,17 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
                     optimizer=0 if offload_optimizer != "none" else optim,
                     host=off["cpu"], nvme=off["nvme"])
 
+
+def estimate_config(psi, n_gpus, config) -> Estimate:
+    """``estimate`` for a ``zl.Config`` (or DeepSpeed dict/path): stage, precision,
+    optimizer (SGD with momentum > 0 -> "sgd_momentum") and offload devices from it."""
+    from zerolab.config import Config
+    cfg = Config.from_any(config)
+    opt = cfg.optimizer.type
+    if opt == "sgd" and float(cfg.optimizer.params.get("momentum", 0) or 0) > 0:
+        opt = "sgd_momentum"
+    z = cfg.zero
+    return estimate(psi, n_gpus, z.stage, cfg.precision, opt, z.offload_optimizer.device, z.offload_param.device)
 
 # ---- activations (chapter 1: why ZeRO alone does not make a model fit) ----
 
