@@ -237,3 +237,11 @@ def test_estimate_config_reads_stage_precision_optimizer_offload():
     assert (e.params, e.grads, e.optimizer, e.host) == (2 * 250, 4 * 250, 0, 8 * 250)
     plain = estimate_config(1000, 4, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     assert (plain.precision, plain.optimizer_name, plain.total) == ("fp32", "sgd", 8 * 1000)
+
+
+def test_table1_text_matches_paper_rows():
+    from zerolab.theory import table1_text
+    lines = table1_text().splitlines()
+    assert lines[0].split()[:4] == ["DP", "7.5B", "Pos", "7.5B"] and len(lines) == 1 + len(PAPER_TABLE1)
+    for line, (n, cells) in zip(lines[1:], sorted(PAPER_TABLE1.items())):
+        assert line.split() == [str(n), *cells]

@@ -266,3 +266,13 @@ def format_paper_gb(gb: float) -> str:
     else:
         text = str(d.quantize(Decimal("0.01") if gb < 10 else Decimal("0.1"), rounding=ROUND_HALF_UP))
     return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def table1_text(models=TABLE1_MODELS, dp=TABLE1_DP) -> str:
+    """Table 1 laid out as in the paper, computed by ``estimate`` and printed by ``format_paper_gb``."""
+    table = zero_table1(models, dp)
+    names = [f"{psi / 1e9:g}B" if psi < 1e12 else f"{psi / 1e12:g}T" for psi in models]
+    head = ["DP"] + [f"{m} {s}" for m in names for s in ("Pos", "Pos+g", "Pos+g+p")]
+    rows = [[str(n)] + [format_paper_gb(table[(psi, n, s)]) for psi in models for s in TABLE1_STAGES] for n in dp]
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head] + rows)
