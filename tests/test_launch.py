@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
+from zerolab.launch import cpu_count
 
 PY = sys.executable
 
@@ -27,7 +28,7 @@ def _rank_info(x):
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_results_in_rank_order_and_threads(n):
     res = zl.launch(_rank_info, n, args=("hi",))
-    cores = zl.launch.__globals__["cpu_count"]()
+    cores = cpu_count()
     assert [r[0] for r in res] == list(range(n))
     assert all(r[1] == n and r[2] == "hi" and r[3] == n * (n - 1) / 2 for r in res)
     assert all(r[4] == max(1, cores // n) for r in res)

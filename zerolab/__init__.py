@@ -16,6 +16,12 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # theory (chapters 1-2)
     "estimate": "zerolab.theory",
+    "estimate_config": "zerolab.theory",
+    "deepspeed_estimate": "zerolab.theory",
+    "comm_breakdown": "zerolab.theory",
+    "step_comm_time": "zerolab.theory",
+    "zero_table1": "zerolab.theory",
+    "table1_text": "zerolab.theory",
     "Estimate": "zerolab.theory",
     "comm_volume": "zerolab.theory",
     "activation_memory": "zerolab.theory",
@@ -23,8 +29,7 @@ _EXPORTS = {
     "ConfigError": "zerolab.config",
     "Link": "zerolab.network",
     "LINKS": "zerolab.network",
-    # runtime (chapters 0, 2)
-    "launch": "zerolab.launch",
+    # runtime (chapters 0, 2); `launch` itself is imported eagerly below
     "LaunchError": "zerolab.launch",
     "CommLedger": "zerolab.comm",
     "census": "zerolab.measure",
@@ -36,7 +41,11 @@ _EXPORTS = {
     "show": "zerolab.book",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+# The function `launch` shares its name with its module: bind it eagerly, or the
+# first `import zerolab.launch` would leave `zl.launch` pointing at the module.
+from .launch import launch  # noqa: E402
+
+__all__ = sorted(_EXPORTS) + ["launch", "__version__"]
 
 
 def __getattr__(name):

@@ -1,0 +1,55 @@
+# zerolab: two commands do all set-up.
+#   make lab    create .venv if missing, install, open JupyterLab on the book
+#   make test   create .venv if missing, run every test (unit, multi-process, notebooks, browser)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.zerolab-installed
+# torch is pinned to the release whose CPU build lies on this machine's disk;
+# any other version (or an open range) would download a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+PORT   ?= 8888
+
+.PHONY: venv lab test test-fast book grade bench gpu-check clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e '.[notebook,test]'
+	$(PY) -m ipykernel install --sys-prefix --name zerolab --display-name "Python 3 (zerolab)"
+	touch $@
+
+venv: $(STAMP)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --port=$(PORT) chapters/00_welcome.ipynb
+
+# Unit and multi-process tests, every chapter under nbval, exercise grading, the browser test.
+test: $(STAMP)
+	$(PY) -m pytest tests chapters --nbval-lax -p no:cacheprovider
+
+# Quick loop while editing: no notebooks, no browser.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not browser" -p no:cacheprovider
+
+# Execute every chapter and render it to HTML under build/book (ignored by git).
+book: $(STAMP)
+	mkdir -p build/book
+	$(VENV)/bin/jupyter nbconvert --to html --execute --ExecutePreprocessor.timeout=600 \
+		--output-dir build/book chapters/*.ipynb
+	@echo "open build/book/00_welcome.html"
+
+grade: $(STAMP)
+	$(PY) -m zerolab grade exercises/*.ipynb
+
+bench: $(STAMP)
+	$(PY) -m zerolab bench --out build/bench
+
+# On a machine with CUDA GPUs: the nccl path end to end, one rank per GPU.
+gpu-check: $(STAMP)
+	$(PY) -m zerolab gpu-check
+	$(PY) -m pytest tests -m gpu -p no:cacheprovider
+
+clean:
+	rm -rf build artifacts .pytest_cache

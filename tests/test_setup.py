@@ -1,0 +1,53 @@
+"""The set-up files agree with each other: environment.yml, pyproject.toml, Makefile, .ci/run."""
+import re
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pyproject_requirements():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra in ("notebook", "test"):
+        reqs += project["optional-dependencies"][extra]
+    return {Requirement(r).name: Requirement(r) for r in reqs}
+
+
+def _environment_requirements():
+    lines = (ROOT / "environment.yml").read_text().splitlines()
+    pip = [m.group(1) for line in lines if (m := re.match(r"\s+- ([A-Za-z].*)$", line))
+           and not line.strip().startswith(("- python", "- pip", "- -e"))]
+    return {Requirement(r).name: Requirement(r) for r in pip}
+
+
+def test_environment_yml_names_the_same_dependencies_as_pyproject():
+    py, env = _pyproject_requirements(), _environment_requirements()
+    assert set(py) == set(env), f"only in pyproject: {set(py) - set(env)}; only in environment.yml: {set(env) - set(py)}"
+    for name, req in py.items():
+        if name == "torch":
+            # environment.yml pins the on-disk CPU build; it must satisfy pyproject's range
+            pinned = next(iter(env[name].specifier)).version
+            assert env[name].specifier == Requirement("torch==2.13.0").specifier
+            assert req.specifier.contains(pinned), f"torch {pinned} outside pyproject's {req.specifier}"
+        else:
+            assert req.specifier == env[name].specifier, f"{name}: {req.specifier} vs {env[name].specifier}"
+
+
+def test_makefile_pins_torch_and_has_the_two_commands():
+    mk = (ROOT / "Makefile").read_text()
+    assert re.search(r"^TORCH\s*\?=\s*torch==2\.13\.0$", mk, re.M)
+    assert re.search(r"^lab:", mk, re.M) and re.search(r"^test:", mk, re.M)
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "make lab" in readme and "make test" in readme
+
+
+def test_every_chapter_in_the_readme_exists():
+    readme = (ROOT / "README.md").read_text()
+    listed = re.findall(r"chapters/(\d\d_\w+\.ipynb)", readme)
+    assert listed, "README lists no chapters"
+    missing = [c for c in listed if not (ROOT / "chapters" / c).exists()]
+    assert not missing, f"README lists chapters that do not exist yet: {missing}"
