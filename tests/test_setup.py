@@ -17,9 +17,10 @@ def _pyproject_requirements():
 
 
 def _environment_requirements():
-    lines = (ROOT / "environment.yml").read_text().splitlines()
-    pip = [m.group(1) for line in lines if (m := re.match(r"\s+- ([A-Za-z].*)$", line))
-           and not line.strip().startswith(("- python", "- pip", "- -e"))]
+    text = (ROOT / "environment.yml").read_text()
+    pip_section = text.split("- pip:", 1)[1]
+    pip = [m.group(1) for line in pip_section.splitlines()
+           if (m := re.match(r"\s+- ([A-Za-z].*)$", line))]
     return {Requirement(r).name: Requirement(r) for r in pip}
 
 
