@@ -1,0 +1,128 @@
+"""Stages 0-2 on 1-4 ranks reach the parameters of plain single-process training (issue 4, item 6).
+
+One launch per world size runs the whole matrix inside its ranks (fork start-up
+is ~0.05 s, but a launch per case would still add up); the single-process
+reference is plain ``torch.optim`` on the same global batch, written here
+independently of the engine.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerolab as zl
+from zerolab.models import MLP, TinyGPT, loss_fn, synthetic_batch
+
+STEPS = 4
+MBS = 2  # rows per rank per micro-batch
+
+
+def make_model(kind):
+    if kind == "gpt":  # tied embedding/head; no key bias (its true gradient is exactly zero)
+        return TinyGPT.preset("micro", key_bias=False, seed=1)
+    if kind == "mlp-edge":  # frozen param, unused param (wd=0 then), buffer
+        return MLP(frozen=True, unused=True, buffer=True, seed=2)
+    return MLP(depth=3, seed=3)
+
+
+def micro_batch(kind, model, step, k, rank, n, gas):
+    """Rank ``rank``'s micro-batch ``k`` of the global batch of ``step`` (n*gas*MBS rows)."""
+    x, y = synthetic_batch(model, n * gas * MBS, seed=7, step=step)
+    lo = (k * n + rank) * MBS
+    return x[lo: lo + MBS], y[lo: lo + MBS]
+
+
+def ds_lr(sched, t):
+    """DeepSpeed WarmupDecayLR (linear warm-up), written out independently."""
+    p = sched["params"]
+    warm = max(2, p["warmup_num_steps"])
+    g = t / warm if t < warm else max(0.0, (p["total_num_steps"] - t) / max(1.0, p["total_num_steps"] - warm))
+    return p["warmup_min_lr"] + (p["warmup_max_lr"] - p["warmup_min_lr"]) * g
+
+
+def reference(case, n):
+    """Single process, torch.optim, the whole global batch at once."""
+    kind, cfg = case["model"], case["config"]
+    model = make_model(kind)
+    gas = cfg.get("gradient_accumulation_steps", 1)
+    o = cfg["optimizer"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[o["type"]](params, **o["params"])
+    clipped = 0
+    for step in range(STEPS):
+        x, y = synthetic_batch(model, n * gas * MBS, seed=7, step=step)
+        loss = loss_fn(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if cfg.get("gradient_clipping"):
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg["gradient_clipping"])
+            clipped += bool(norm > cfg["gradient_clipping"])
+        if "scheduler" in cfg:
+            for g in opt.param_groups:
+                g["lr"] = ds_lr(cfg["scheduler"], step)
+        opt.step()
+    assert clipped or not cfg.get("gradient_clipping"), "the test's clipping threshold never binds"
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_cases(cases):
+    """Inside a launched rank: train each case with the engine, return rank 0's full state dicts."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = []
+    for case in cases:
+        kind, cfg = case["model"], case["config"]
+        model = make_model(kind)
+        engine = zl.initialize(model, cfg)
+        gas = engine.gas
+        for step in range(STEPS):
+            for k in range(gas):
+                x, y = micro_batch(kind, model, step, k, rank, n, gas)
+                engine.backward(loss_fn(engine(x), y))
+                engine.step()
+        sd = engine.full_state_dict()
+        out.append(sd if rank == 0 else {k: v.sum().item() for k, v in sd.items()})
+    return out
+
+
+def fp32_cases():
+    cases = []
+    adam = {"type": "Adam", "params": {"lr": 3e-3, "weight_decay": 0.01}}
+    adamw = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}
+    sgd = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}}
+    sched = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 5e-3,
+                                                 "warmup_num_steps": 2, "total_num_steps": 6,
+                                                 "warmup_type": "linear"}}
+    for stage in (0, 1, 2):
+        for i, (kind, opt) in enumerate([("gpt", adam), ("gpt", sgd), ("mlp", sgd), ("mlp", adamw)]):
+            zero = {"stage": stage, "overlap_comm": i % 2 == 0,
+                    # tiny buckets: one unit per collective; big: all units packed in one
+                    "reduce_bucket_size": 500 if i < 2 else 10**8, "allgather_bucket_size": 10**8 if i < 2 else 500}
+            cfg = {"optimizer": opt, "gradient_accumulation_steps": 3 if i == 3 else 2,
+                   "gradient_clipping": [0.3, 0, 0.05, 0][i], "zero_optimization": zero}
+            if i == 3:
+                cfg["scheduler"] = sched
+            cases.append({"model": kind, "config": cfg})
+        # edge model: frozen + unused (no weight decay, so the zero gradient leaves it alone) + buffer
+        cases.append({"model": "mlp-edge", "config": {
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 700}}})
+    return cases
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_fp32_matches_single_process(n):
+    cases = fp32_cases()
+    results = zl.launch(run_cases, world_size=n, args=(cases,), timeout=300, threads=1)
+    for ci, (case, got) in enumerate(zip(cases, results[0])):
+        want = reference(case, n)
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name].float(), rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"n={n} {case} {name}: {m}")
+        for r in range(1, n):  # every rank ended with the same parameters
+            for name in want:
+                assert math.isclose(results[r][ci][name], float(got[name].sum()), rel_tol=1e-6, abs_tol=1e-6), \
+                    (n, r, ci, name)
