@@ -196,3 +196,31 @@ def test_interrupt_or_killed_parent_leaves_no_orphans(tmp_path, sig):
     if sig == signal.SIGINT:
         assert "KeyboardInterrupt" in err
     assert _gone(pids), "rank processes survived their parent"
+
+
+def test_backend_auto_is_gloo_without_enough_gpus():
+    from zerolab.launch import choose_backend
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert choose_backend(gpus + 1) == "gloo"
+
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import torch, torch.distributed as dist, zerolab as zl
+    def work(x):
+        t = torch.ones(1) * dist.get_rank()
+        dist.all_reduce(t)
+        return dist.get_rank(), x, t.item()
+    if __name__ == "__main__":
+        res = zl.launch(work, 2, args=("same-code",))
+        if dist.is_available() and int(__import__("os").environ["RANK"]) == 0:
+            print("RESULT", res, flush=True)
+""")
+
+
+def test_same_worker_runs_under_torchrun(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(TORCHRUN_SCRIPT)
+    out = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(path)], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "RESULT [(0, 'same-code', 1.0), (1, 'same-code', 1.0)]" in out.stdout

@@ -165,8 +165,32 @@ def cmd_estimate(args) -> int:
 
 
 # name -> (help, add arguments, run); the lead adds grade, bench, exercises here
+def add_gpu_check_args(p: argparse.ArgumentParser):
+    pass
+
+
+def cmd_gpu_check(args) -> int:
+    from zerolab.gpu_check import main as gpu_main
+    return gpu_main()
+
+
+def _lazy(module: str, name: str):
+    """(add_args, run) for a subcommand defined in zerolab.<module> as add_<name>_args / cmd_<name>."""
+    from importlib import import_module
+
+    def add(p):
+        return getattr(import_module(f"zerolab.{module}"), f"add_{name}_args")(p)
+
+    def run(args):
+        return getattr(import_module(f"zerolab.{module}"), f"cmd_{name}")(args)
+    return add, run
+
+
 COMMANDS = {
     "estimate": ("memory and communication of every ZeRO stage, side by side", add_estimate_args, cmd_estimate),
+    "gpu-check": ("on a machine with CUDA GPUs: the nccl path end to end", add_gpu_check_args, cmd_gpu_check),
+    "grade": ("grade exercise notebooks under nbval, check by check", *_lazy("grading", "grade")),
+    "exercises": ("list the exercises, copy them to a folder, or reset one", *_lazy("grading", "exercises")),
 }
 
 

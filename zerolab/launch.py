@@ -101,6 +101,9 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     kwargs = dict(kwargs or {})
     if _under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            warnings.warn(f"zl.launch(world_size={world_size}) under torchrun: torchrun's WORLD_SIZE="
+                          f"{os.environ['WORLD_SIZE']} is used", stacklevel=2)
         return _run_in_torchrun(fn, args, kwargs, backend, timeout)
 
     backend = choose_backend(world_size, backend)
