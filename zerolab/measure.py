@@ -10,7 +10,8 @@ through them, never through a typed-in number.
 * ``peak_memory()`` — the peak *increase* of memory inside a ``with`` block:
                    CPU through VmHWM (reset by ``/proc/self/clear_refs``) or the
                    torch profiler's allocation events; CUDA through torch.cuda stats.
-* ``rss()``, ``Timer``, ``timed()``, ``time_fn()`` — resident set and step times.
+* ``rss()`` — resident set; ``Timer``, ``timed()``, ``time_fn()`` (from
+                   ``zerolab.timing``, re-exported here) — step times.
 
 Bytes everywhere; ``MB`` means 10**6 bytes and ``MiB`` 2**20.
 """
@@ -18,13 +19,12 @@ from __future__ import annotations
 
 import gc
 import os
-import statistics
-import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
+
+from .timing import Timer, time_fn, timed  # noqa: F401  (re-exported)
 
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
@@ -309,75 +309,3 @@ class PeakMeter:
 def peak_memory(method: str = "auto", device: str | torch.device = "cpu") -> PeakMeter:
     """``with peak_memory() as m: ...; m.peak`` — see ``PeakMeter``."""
     return PeakMeter(method, device)
-
-
-# ---------------------------------------------------------------- timers
-def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-class Timer:
-    """Wall-clock timer for repeated steps: ``with timer: step()`` appends seconds.
-
-    Synchronises CUDA before and after each measurement when CUDA is in use,
-    so queued kernels are counted. ``median`` is the number to quote: on a
-    shared 2-core machine single steps are noisy.
-    """
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __enter__(self) -> "Timer":
-        _sync()
-        self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _sync()
-        self.times.append(time.perf_counter() - self._t0)
-
-    @property
-    def last(self) -> float:
-        return self.times[-1]
-
-    @property
-    def seconds(self) -> float:
-        return sum(self.times)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
-
-    @property
-    def mean(self) -> float:
-        return statistics.fmean(self.times)
-
-    @property
-    def min(self) -> float:
-        return min(self.times)
-
-    def __repr__(self) -> str:
-        if not self.times:
-            return "Timer(no measurements)"
-        return (f"Timer(n={len(self.times)}, median={self.median * 1e3:.2f} ms, "
-                f"min={self.min * 1e3:.2f} ms, max={max(self.times) * 1e3:.2f} ms)")
-
-
-@contextmanager
-def timed():
-    """``with timed() as t: ...`` then ``t.seconds``."""
-    t = Timer()
-    with t:
-        yield t
-
-
-def time_fn(fn, *args, repeat: int = 5, warmup: int = 1, **kwargs) -> Timer:
-    """Run ``fn(*args, **kwargs)`` ``warmup`` times untimed, then ``repeat`` times timed."""
-    for _ in range(warmup):
-        fn(*args, **kwargs)
-    t = Timer()
-    for _ in range(repeat):
-        with t:
-            fn(*args, **kwargs)
-    return t
