@@ -140,7 +140,8 @@ class MemoryExplorer:
         fits = ", ".join(f"{name} {'fits' if t <= gpu_gb * plots.GB else 'does not fit'}"
                          for name, t in zip(plots.STAGE_NAMES, data["total"]))
         display(Image(data=self.png, format="png"))
-        print(f"On a {gpu_gb} GB GPU: {fits}.")
+        print(f"Ψ = {_fmt_params(p['psi'])} parameters, N = {p['n_gpus']}. "
+              f"With {gpu_gb} GB per GPU: {fits}.")
 
     def render(self):
         """Redraw with the current control values; returns the figure."""
