@@ -107,6 +107,8 @@ def test_bad_slicing_is_rejected():
         synthetic_batch("micro", 8, rank=0)
     with pytest.raises(TypeError):
         synthetic_batch(torch.nn.Linear(2, 2), 4)
+    with pytest.raises(TypeError):
+        synthetic_batch("huge", 4)
 
 
 def test_mean_loss_of_rank_slices_equals_global_loss():

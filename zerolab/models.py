@@ -185,11 +185,16 @@ def synthetic_batch(model, batch: int, seed: int = 0, step: int = 0,
     learns to read the stride. MLP targets come from a fixed random teacher
     network, ``tanh(x @ W1) @ W2`` (same for every step and seed).
     """
-    if isinstance(model, str):
-        model = MLP() if model == "mlp" else TinyGPT.preset(model)
+    if isinstance(model, str) and model in PRESETS:
+        gpt = (PRESETS[model]["vocab"], PRESETS[model]["seq_len"])   # no need to build the model
+    elif isinstance(model, TinyGPT):
+        gpt = (model.vocab, model.seq_len)
+    else:
+        gpt = None
+        model = MLP() if model == "mlp" else model
     g = torch.Generator().manual_seed(1_000_003 * seed + step)
-    if isinstance(model, TinyGPT):
-        V, T = model.vocab, model.seq_len
+    if gpt is not None:
+        V, T = gpt
         start = torch.randint(0, V, (batch, 1), generator=g)
         stride = torch.randint(1, 5, (batch, 1), generator=g)
         tokens = (start + stride * torch.arange(T + 1)) % V           # (batch, T+1)
@@ -201,7 +206,7 @@ def synthetic_batch(model, batch: int, seed: int = 0, step: int = 0,
         w2 = torch.randn(2 * model.d_in, model.d_out, generator=teacher) / math.sqrt(2 * model.d_in)
         y = torch.tanh(x @ w1) @ w2                                   # (batch, d_out)
     else:
-        raise TypeError(f"synthetic_batch knows TinyGPT and MLP, got {type(model).__name__}")
+        raise TypeError(f"synthetic_batch knows TinyGPT, MLP, 'mlp' and {sorted(PRESETS)}; got {model!r:.60}")
     if rank is None and world_size is None:
         return x.contiguous(), y.contiguous()
     if rank is None or world_size is None:
