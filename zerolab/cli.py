@@ -191,6 +191,7 @@ COMMANDS = {
     "gpu-check": ("on a machine with CUDA GPUs: the nccl path end to end", add_gpu_check_args, cmd_gpu_check),
     "grade": ("grade exercise notebooks under nbval, check by check", *_lazy("grading", "grade")),
     "exercises": ("list the exercises, copy them to a folder, or reset one", *_lazy("grading", "exercises")),
+    "bench": ("time zerolab against torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed", *_lazy("bench", "bench")),
 }
 
 

@@ -1,0 +1,115 @@
+"""``python -m zerolab bench``: a smoke run (2 ranks, 2 steps, tiny model) checks the JSON
+schema, the ledger's bytes against theory, and that every contender ends at the same
+parameters; no timing assertions (the machine is shared). Plus the pure helpers."""
+import json
+import os
+
+import pytest
+
+from zerolab import bench, bench_peers as bp
+from zerolab.cli import build_parser, main
+from zerolab.theory import comm_volume
+
+STEPS = 2
+MUTANT_LR = 3e-3  # a contender with another lr must fail the cross-check
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    original = bench.compare_specs
+
+    def with_mutant(stages, world_size, batch):
+        specs, notes = original(stages, world_size, batch)
+        cfg = bp.ds_config(0, batch // world_size, lr=MUTANT_LR)
+        return specs + [bench.Spec("ddp-mutant", "ddp", 0, "torch DDP, other lr", cfg)], notes
+
+    bench.compare_specs = with_mutant
+    try:
+        result = bench.bench(world_sizes=[2], steps=1, repeats=STEPS, warmup=0, model="tiny", out=str(out),
+                             verbose=False, timeout=300)
+    finally:
+        bench.compare_specs = original
+    return result, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_smoke_schema_and_files(smoke):
+    result, out = smoke
+    assert result["schema"] == bench.SCHEMA and result["mode"] == "compare"
+    s = result["settings"]
+    assert s["model"] == "tiny" and s["threads_per_rank"] == 1 and s["params"] == bench.model_params("tiny")
+    assert [w["world_size"] for w in result["runs"]] == [2]
+    with open(os.path.join(out, "bench.json")) as f:
+        assert json.load(f)["runs"][0]["ratios"] == result["runs"][0]["ratios"]
+    assert os.path.getsize(os.path.join(out, "bench.png")) > 1000
+
+
+@pytest.mark.slow
+def test_smoke_contenders(smoke):
+    result, _ = smoke
+    rows = {r["key"]: r for r in result["runs"][0]["contenders"]}
+    expected = {"ours-0", "ddp-0", "ours-1", "zero_redundancy-1", "ours-2", "fsdp2-3", "ddp-mutant"}
+    if bp.deepspeed_available():
+        expected |= {"deepspeed-1", "deepspeed-2", "deepspeed-3"}
+    else:
+        assert any("DeepSpeed is not installed" in n for n in result["notes"])
+    if bp.ours_available(3):
+        expected.add("ours-3")
+    assert set(rows) == expected
+    for r in rows.values():
+        assert len(r["times_ms"]) == STEPS and all(t > 0 for t in r["times_ms"]), r["key"]
+        assert r["q1_ms"] <= r["median_ms"] <= r["q3_ms"]
+        assert len(r["peak_bytes"]) == 2 and all(p >= h > 0 for p, h in zip(r["peak_bytes"], r["held_bytes"]))
+        assert r["bytes_source"] == ("ledger" if r["kind"] == "ours" else "theory")
+    ratios = {(q["stage"], q["peer_key"]): q for q in result["runs"][0]["ratios"]}
+    assert (0, "ddp-0") in ratios and (1, "zero_redundancy-1") in ratios
+    q = ratios[(0, "ddp-0")]
+    assert q["ratio"] == pytest.approx(rows["ours-0"]["median_ms"] / rows["ddp-0"]["median_ms"])
+
+
+@pytest.mark.slow
+def test_smoke_params_agree_and_ledger_matches_theory(smoke):
+    result, _ = smoke
+    rows = {r["key"]: r for r in result["runs"][0]["contenders"]}
+    psi = result["settings"]["params"]
+    for key, r in rows.items():
+        if key == "ddp-mutant":
+            assert r["max_abs_diff"] > 1e-4  # the cross-check sees a different optimizer
+        else:
+            assert r["max_abs_diff"] < 1e-5, key
+    for stage in (0, 1, 2):  # our ledger, measured, vs the ring formula (fp32: 4 bytes)
+        assert rows[f"ours-{stage}"]["bytes_per_step"] == pytest.approx(
+            comm_volume(psi, 2, stage, dtype_bytes=4), rel=0.02)
+
+
+def test_ds_config_is_plain_adam_without_clipping():
+    cfg = bp.ds_config(2, 4, lr=5e-4)
+    p = cfg["optimizer"]["params"]
+    assert cfg["optimizer"]["type"] == "Adam" and p["adam_w_mode"] is False and p["weight_decay"] == 0
+    assert cfg["gradient_clipping"] == 0 and cfg["zero_optimization"] == {"stage": 2}
+    from zerolab.config import Config
+    ours = Config.from_deepspeed(cfg, world_size=2)   # the same dict configures our engine
+    assert ours.optimizer.type == "adam" and ours.optimizer.params["lr"] == 5e-4 and ours.zero.stage == 2
+
+
+def test_overlap_specs_and_speedups():
+    specs, _ = bench.overlap_specs([0, 2], 2, 8, bucket=1000, link="demo")
+    assert [s.key for s in specs if s.stage == 0] == [
+        "ours-0-serial-loopback", "ours-0-overlap-loopback", "ours-0-serial-demo", "ours-0-overlap-demo"]
+    assert all(s.cfg["zero_optimization"]["reduce_bucket_size"] == 1000 for s in specs)
+    assert specs[3].cfg["zerolab"] == {"link": "demo"} and "zerolab" not in specs[1].cfg
+    world = {"contenders": [dict(key=s.key, stage=s.stage, link=s.cfg.get("zerolab", {}).get("link"),
+                                 median_ms=10.0 if "serial" in s.key else 8.0) for s in specs]}
+    ups = bench.speedups(world)
+    assert len(ups) == 4 and all(u["speedup"] == pytest.approx(1.25) for u in ups)
+    assert {u["link"] for u in ups} == {"loopback", "demo"}
+
+
+def test_cli_arguments(capsys):
+    args = build_parser().parse_args(["bench", "--world-sizes", "2", "--stages", "1", "3"])
+    assert args.world_sizes == [2] and args.stages == [1, 3] and args.model == "small" and not args.overlap
+    assert main(["bench", "--world-sizes", "2", "--link", "demo", "--out", ""]) == 2   # link needs --overlap
+    assert "--overlap" in capsys.readouterr().err
+    assert main(["bench", "--world-sizes", "3", "--batch", "8", "--out", ""]) == 2

@@ -1,0 +1,287 @@
+"""``python -m zerolab bench``: our engines against PyTorch and DeepSpeed, side by side (chapter 9).
+
+One ``zl.launch`` per world size runs every contender (``bench_peers``) in the
+same rank processes, one thread per rank, on the same TinyGPT, config and
+synthetic batches. Timing is interleaved: each round runs ``steps`` steps of
+every contender in turn (the order rotates from round to round), so machine
+noise falls on all of them alike; the ratio ours/peer compares medians from
+the same run. A step's time is the slowest rank's, each step starting at a
+barrier; warm-up steps are not timed.
+
+Per contender and rank, memory comes from the torch profiler's allocation
+events (``measure.PeakMeter("profiler")``): *held* = what building it and the
+warm-up steps left allocated, *peak* = held + the highest point of one
+profiled step. Bytes per step: our ledger; the peers' from the ring formulas.
+After the last step every contender's full parameters are compared with the
+first contender's (max abs difference): all of them do the same maths.
+
+``--overlap`` times only our engine: ``overlap_comm`` off and on, on raw
+loopback and on a simulated link (``--link``, default "demo"), with buckets
+small enough (``--bucket``, default Ψ/4) that there is something to overlap.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+from . import bench_peers as bp
+
+SCHEMA = "zerolab-bench/1"
+
+
+@dataclass
+class Spec:
+    """One contender: which runner, which stage, which config."""
+    key: str     # unique in a run, e.g. "ours-1", "deepspeed-1", "ours-2-overlap-demo"
+    kind: str    # a key of bench_peers.KINDS
+    stage: int
+    label: str
+    cfg: dict
+
+
+def model_params(preset: str) -> int:
+    return sum(p.numel() for p in bp.build_model(preset).parameters())
+
+
+def compare_specs(stages, world_size: int, batch: int) -> tuple[list[Spec], list[str]]:
+    """Ours at each stage, then its peers (bench_peers.PEERS); notes say what was skipped."""
+    specs, notes, micro = [], [], batch // world_size
+    have_ds = bp.deepspeed_available()
+    if not have_ds and any(s in (1, 2, 3) for s in stages):
+        notes.append("DeepSpeed is not installed (pip install 'zerolab[bench]'): its rows are skipped")
+    for s in stages:
+        cfg = bp.ds_config(s, micro)
+        if bp.ours_available(s):
+            specs.append(Spec(f"ours-{s}", "ours", s, bp.label("ours", s), cfg))
+        else:
+            notes.append(f"zerolab stage {s} is not implemented yet: only its peers run")
+        for kind in bp.PEERS[s]:
+            if kind == "deepspeed" and not have_ds:
+                continue
+            specs.append(Spec(f"{kind}-{s}", kind, s, bp.label(kind, s), cfg))
+    return specs, notes
+
+
+def overlap_specs(stages, world_size: int, batch: int, bucket: int, link: str) -> tuple[list[Spec], list[str]]:
+    """Ours only: overlap_comm off/on x raw loopback / simulated ``link``."""
+    specs, notes, micro = [], [], batch // world_size
+    for s in stages:
+        if not bp.ours_available(s):
+            notes.append(f"zerolab stage {s} is not implemented yet: skipped")
+            continue
+        for where in (None, link):
+            for overlap in (False, True):
+                cfg = bp.ds_config(s, micro, overlap_comm=overlap, bucket=bucket, link=where)
+                key = f"ours-{s}-{'overlap' if overlap else 'serial'}-{where or 'loopback'}"
+                extra = f", overlap_comm {'on' if overlap else 'off'}, {where or 'loopback'}"
+                specs.append(Spec(key, "ours", s, bp.label("ours", s, extra), cfg))
+    return specs, notes
+
+
+# ---------------------------------------------------------------- one rank
+def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
+    """Runs on every rank: build all contenders, time them round-robin, cross-check parameters."""
+    import torch
+    import torch.distributed as dist
+    from .measure import PeakMeter
+    from .models import synthetic_batch
+    warnings.filterwarnings("ignore", category=FutureWarning)      # gloo's renamed collectives
+    warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.jit inside the peers
+    warnings.filterwarnings("ignore", module=r"deepspeed.*")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = warmup + 1 + steps * repeats
+    data = [synthetic_batch(preset, batch, seed=0, step=k, rank=rank, world_size=world) for k in range(total)]
+    meter = (lambda: PeakMeter("profiler")) if memory else None
+    runners, out = [], {s.key: dict(times=[], held=None, peak=None, build_s=0.0) for s in specs}
+
+    def one_step(r):
+        x, y = data[r.steps]
+        dist.barrier()
+        t0 = time.perf_counter()
+        r.step(x, y)
+        return time.perf_counter() - t0
+
+    for spec in specs:
+        t0 = time.perf_counter()
+        with (meter() if meter else _Null()) as held:
+            r = bp.build(spec.kind, preset, spec.stage, spec.cfg)
+            for _ in range(warmup):
+                one_step(r)
+        with (meter() if meter else _Null()) as step_peak:
+            one_step(r)  # profiled, not timed
+        if memory:
+            out[spec.key].update(held=held.delta, peak=held.delta + step_peak.peak)
+        out[spec.key]["build_s"] = time.perf_counter() - t0
+        r.reset_bytes()  # the ledger counts the timed steps only
+        runners.append((spec, r))
+    for rnd in range(repeats):
+        order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
+        for spec, r in order:
+            for _ in range(steps):
+                out[spec.key]["times"].append(one_step(r))
+    ref = None
+    for spec, r in runners:
+        full = r.full_params()  # collective: every rank calls it
+        out[spec.key]["bytes_per_step"] = r.bytes_per_step
+        out[spec.key]["bytes_source"] = r.bytes_source
+        if ref is None:
+            ref = full
+        out[spec.key]["max_abs_diff"] = max(float((full[n] - ref[n]).abs().max()) for n in ref)
+        r.close()
+    return out
+
+
+class _Null:
+    delta = peak = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+# ---------------------------------------------------------------- the parent
+def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, timeout) -> dict:
+    """Launch ``world_size`` ranks, run every contender, summarise per contender."""
+    from .launch import launch
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the ranks
+    _preload({s.kind for s in specs})
+    per_rank = launch(_rank_main, world_size=world_size, threads=1, timeout=timeout,
+                      args=(specs, preset, batch, steps, repeats, warmup, memory))
+    rows = []
+    for spec in specs:
+        ranks = [pr[spec.key] for pr in per_rank]
+        step_s = [max(ts) for ts in zip(*(r["times"] for r in ranks))]  # the slowest rank's step
+        q = statistics.quantiles(step_s, n=4) if len(step_s) > 1 else [step_s[0]] * 3
+        rows.append(dict(
+            key=spec.key, kind=spec.kind, stage=spec.stage, label=spec.label,
+            library=bp.KINDS[spec.kind].library,
+            median_ms=1e3 * statistics.median(step_s), q1_ms=1e3 * q[0], q3_ms=1e3 * q[2],
+            times_ms=[1e3 * t for t in step_s],
+            peak_bytes=[r["peak"] for r in ranks], held_bytes=[r["held"] for r in ranks],
+            bytes_per_step=ranks[0]["bytes_per_step"], bytes_source=ranks[0]["bytes_source"],
+            max_abs_diff=max(r["max_abs_diff"] for r in ranks),
+            build_s=max(r["build_s"] for r in ranks),
+            link=spec.cfg.get("zerolab", {}).get("link"),
+            overlap_comm=spec.cfg["zero_optimization"].get("overlap_comm")))
+    return dict(world_size=world_size, contenders=rows)
+
+
+def _preload(kinds) -> None:
+    """Import what the peers import lazily (torch._dynamo alone takes ~3 s) once, in the
+    parent: the forked ranks inherit it instead of each paying for it inside the run."""
+    import importlib
+    mods = ["zerolab.engine"] + (["torch._dynamo", "torch.nn.parallel"] if kinds - {"ours"} else [])
+    mods += ["torch.distributed.fsdp"] if "fsdp2" in kinds else []
+    mods += ["deepspeed", "deepspeed.comm.torch", "deepspeed.runtime.engine",
+             "deepspeed.runtime.zero.muon.muon_optimizer"] if "deepspeed" in kinds else []  # imports inductor
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for m in mods:
+            importlib.import_module(m)
+
+
+def ratios(world: dict) -> list[dict]:
+    """ours / peer median step time, per stage, from the same run."""
+    rows = {r["key"]: r for r in world["contenders"]}
+    out = []
+    for r in world["contenders"]:
+        ours = rows.get(f"ours-{r['stage']}")
+        if r["kind"] != "ours" and ours is not None:
+            out.append(dict(stage=r["stage"], peer=r["label"], peer_key=r["key"], ours_ms=ours["median_ms"],
+                            peer_ms=r["median_ms"], ratio=ours["median_ms"] / r["median_ms"]))
+    return out
+
+
+def speedups(world: dict) -> list[dict]:
+    """--overlap: serial / overlapped median step time per stage and link."""
+    rows = {r["key"]: r for r in world["contenders"]}
+    out = []
+    for r in world["contenders"]:
+        if "-overlap-" in r["key"]:
+            serial = rows[r["key"].replace("-overlap-", "-serial-")]
+            out.append(dict(stage=r["stage"], link=r["link"] or "loopback", serial_ms=serial["median_ms"],
+                            overlap_ms=r["median_ms"], speedup=serial["median_ms"] / r["median_ms"]))
+    return out
+
+
+def bench(world_sizes=(2, 4), stages=(0, 1, 2, 3), steps=5, repeats=5, model="small", out="build/bench",
+          overlap=False, link=None, bucket=None, batch=8, warmup=2, memory=True, timeout=1800,
+          verbose=True) -> dict:
+    """Run the benchmark; write ``bench.json`` (+ ``bench.png``) into ``out``; return the result."""
+    import torch
+    if any(batch % w for w in world_sizes):
+        raise ValueError(f"--batch {batch} must be divisible by every world size {list(world_sizes)}")
+    if link is not None and not overlap:
+        raise ValueError("--link applies to --overlap runs (our engine only): the peers cannot use a "
+                         "simulated link, so the side-by-side comparison runs on raw loopback")
+    if steps < 1 or repeats < 1 or warmup < 0:
+        raise ValueError("--steps and --repeats must be >= 1, --warmup >= 0")
+    psi = model_params(model)
+    link = link or "demo"
+    bucket = bucket or -(-psi // 4)
+    result = dict(schema=SCHEMA, mode="overlap" if overlap else "compare",
+                  settings=dict(model=model, params=psi, batch=batch, steps=steps, repeats=repeats, warmup=warmup,
+                                threads_per_rank=1, backend="gloo", precision="fp32",
+                                optimizer="Adam (lr 1e-3, no weight decay)", torch=torch.__version__,
+                                deepspeed=_ds_version(), link=link if overlap else None,
+                                bucket=bucket if overlap else None,
+                                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())),
+                  notes=[], runs=[])
+    for w in world_sizes:
+        specs, notes = (overlap_specs(stages, w, batch, bucket, link) if overlap
+                        else compare_specs(stages, w, batch))
+        result["notes"] += [n for n in notes if n not in result["notes"]]
+        if not specs:
+            continue
+        t0 = time.perf_counter()
+        world = run_world(specs, w, model, batch, steps, repeats, warmup, memory, timeout)
+        world["seconds"] = time.perf_counter() - t0
+        world["ratios" if not overlap else "speedups"] = ratios(world) if not overlap else speedups(world)
+        world["max_abs_diff"] = max(r["max_abs_diff"] for r in world["contenders"])
+        result["runs"].append(world)
+        if verbose:
+            from .bench_report import world_table
+            print(world_table(result, world), flush=True)
+    if out:
+        from .bench_report import save
+        save(result, out)
+    return result
+
+
+def _ds_version():
+    if not bp.deepspeed_available():
+        return None
+    from importlib.metadata import version
+    return version("deepspeed")
+
+
+# ---------------------------------------------------------------- command line (cli.COMMANDS)
+def add_bench_args(p):
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="N")
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4), metavar="S")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per contender per round")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first")
+    p.add_argument("--model", choices=sorted(bp.BENCH_MODELS), default="small")
+    p.add_argument("--batch", type=int, default=8, help="global batch (rows of seq_len tokens)")
+    p.add_argument("--out", default="build/bench", help="folder for bench.json and bench.png ('' = none)")
+    p.add_argument("--overlap", action="store_true", help="ours only: overlap_comm off/on, loopback and --link")
+    p.add_argument("--link", default=None, help="simulated link for --overlap (zerolab.network.LINKS; default demo)")
+    p.add_argument("--bucket", type=int, default=None, help="--overlap bucket size in elements (default Ψ/4)")
+    p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the profiler memory pass")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
+
+
+def cmd_bench(args) -> int:
+    if args.link is not None:
+        from .network import get_link
+        get_link(args.link)  # ValueError names the presets
+    bench(world_sizes=args.world_sizes, stages=args.stages, steps=args.steps, repeats=args.repeats,
+          model=args.model, out=args.out, overlap=args.overlap, link=args.link, bucket=args.bucket,
+          batch=args.batch, warmup=args.warmup, memory=args.memory, timeout=args.timeout)
+    return 0

@@ -1,0 +1,97 @@
+"""Printing and saving ``zerolab bench`` results: the text table, bench.json, bench.png (chapter 9)."""
+from __future__ import annotations
+
+import json
+import os
+
+MB = 1e6
+
+
+def _mb(values) -> str:
+    vals = [v for v in values if v is not None]
+    return f"{max(vals) / MB:.1f}" if vals else "-"
+
+
+def world_table(result: dict, world: dict) -> str:
+    """One world size: a row per contender, then ours/peer ratios (or overlap speed-ups)."""
+    s = result["settings"]
+    head = (f"zerolab bench: {s['model']} TinyGPT ({s['params'] / 1e6:.2f}M params), {world['world_size']} ranks, "
+            f"gloo, 1 thread/rank, global batch {s['batch']}, {s['repeats']} interleaved rounds x {s['steps']} steps")
+    lines = [head, f"{'contender':<46}{'median ms':>10}{'IQR ms':>14}{'held MB':>9}{'peak MB':>9}"
+                   f"{'sent/step MB':>14}{'max|Δp|':>10}"]
+    for r in world["contenders"]:
+        iqr = f"{r['q1_ms']:.0f}-{r['q3_ms']:.0f}"
+        sent = f"{r['bytes_per_step'] / MB:.2f}" + ("" if r["bytes_source"] == "ledger" else "*")
+        lines.append(f"{r['label'][:45]:<46}{r['median_ms']:>10.1f}{iqr:>14}{_mb(r['held_bytes']):>9}"
+                     f"{_mb(r['peak_bytes']):>9}{sent:>14}{r['max_abs_diff']:>10.1e}")
+    if world.get("ratios"):
+        lines.append("ours / peer (median step time, same run; < 1 means ours is faster):")
+        for q in world["ratios"]:
+            lines.append(f"  stage {q['stage']}  vs {q['peer']:<38} {q['ratio']:.2f}x "
+                         f"({q['ours_ms']:.1f} / {q['peer_ms']:.1f} ms)")
+    if world.get("speedups"):
+        lines.append("overlap_comm speed-up (serial / overlapped median step time):")
+        for q in world["speedups"]:
+            lines.append(f"  stage {q['stage']}  {q['link']:<10} {q['speedup']:.2f}x "
+                         f"({q['serial_ms']:.1f} -> {q['overlap_ms']:.1f} ms)")
+    lines.append("held/peak: max over ranks (torch profiler allocation events); * = bytes from the ring "
+                 "formulas, else our ledger; max|Δp|: final parameters vs the first row")
+    return "\n".join(lines) + "\n"
+
+
+def text(result: dict) -> str:
+    parts = [world_table(result, w) for w in result["runs"]]
+    parts += [f"note: {n}\n" for n in result["notes"]]
+    return "\n".join(parts)
+
+
+def plot(result: dict, path: str) -> str | None:
+    """Bar chart: ours/peer ratios (compare) or overlap speed-ups, one group per world size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    key = "speedups" if result["mode"] == "overlap" else "ratios"
+    bars = [(w["world_size"], q) for w in result["runs"] for q in w.get(key, [])]
+    if not bars:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(bars) + 2), 4))
+    names, values, colors = [], [], []
+    for n, q in bars:
+        if key == "ratios":
+            names.append(f"N={n}\nZ{q['stage']} vs\n{q['peer'].replace('DeepSpeed', 'DS').split(' ')[0]}"
+                         + (f" Z{q['stage']}" if "DeepSpeed" in q["peer"] else ""))
+            values.append(q["ratio"])
+        else:
+            names.append(f"N={n}\nstage {q['stage']}\n{q['link']}")
+            values.append(q["speedup"])
+        colors.append(f"C{n // 2 - 1}")
+    ax.bar(range(len(values)), values, color=colors)
+    ax.axhline(1.0, color="k", lw=1, ls="--")
+    ax.set_xticks(range(len(values)), names, fontsize=7)
+    ylabel = "serial / overlapped step time" if key == "speedups" else "ours / peer median step time"
+    ax.set_ylabel(ylabel)
+    s = result["settings"]
+    ax.set_title(f"zerolab bench ({s['model']} TinyGPT, gloo, 1 thread/rank)"
+                 + (f", link {s['link']}" if key == "speedups" else ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def save(result: dict, out: str) -> dict:
+    """Write ``bench.json`` (or ``overlap.json``) and the matching PNG into ``out``."""
+    os.makedirs(out, exist_ok=True)
+    stem = "overlap" if result["mode"] == "overlap" else "bench"
+    paths = {"json": os.path.join(out, f"{stem}.json")}
+    try:
+        png = plot(result, os.path.join(out, f"{stem}.png"))
+        if png:
+            paths["png"] = png
+    except ImportError:
+        result["notes"].append("matplotlib is not installed: no plot")
+    result["files"] = paths
+    with open(paths["json"], "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {', '.join(paths.values())}", flush=True)
+    return paths
