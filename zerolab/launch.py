@@ -113,6 +113,8 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
         raise ValueError(f"start_method must be 'auto', 'fork', 'spawn' or 'forkserver', got {start_method!r}")
     threads = threads or max(1, cpu_count() // world_size)
 
+    if start_method == "fork":
+        _prewarm()
     ctx = get_context(start_method)
     workdir = tempfile.mkdtemp(prefix="zerolab-launch-")
     # fork shares the function as-is; spawn needs it serialised by value
@@ -135,6 +137,16 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
             c.close()
         shutil.rmtree(workdir, ignore_errors=True)
     return results
+
+
+def _prewarm():
+    """Import once in the parent what every rank would otherwise import for
+    itself after the fork: the first ``torch.optim`` optimizer pulls in
+    ``torch._dynamo`` (about 3 s of CPU), and N children would pay it N times."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # pragma: no cover - optional in some builds
+        pass
 
 
 def _collect(procs, conns, timeout, workdir):
