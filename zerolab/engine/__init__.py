@@ -15,6 +15,7 @@ from torch import nn
 
 from ..config import Config, ConfigError
 from .base import Engine, make_communicator
+from .optim import ShardedOptimizer, make_scheduler
 from .stage0 import Stage0Engine
 from .stage1 import Stage1Engine
 from .stage2 import Stage2Engine
@@ -53,6 +54,8 @@ def _check_supported(model: nn.Module, cfg) -> None:
     if z.offload_param.device != "none":
         raise ConfigError("zero_optimization.offload_param: parameter offload needs stage 3 and is not "
                           "implemented yet; use 'none'")
+    ShardedOptimizer(cfg.optimizer.type, cfg.optimizer.params, [])  # validates the optimizer section
+    make_scheduler(cfg.scheduler)                                     # ... and the scheduler's
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     if not trainable:

@@ -1,0 +1,155 @@
+"""The engine's surface: clear errors at initialize, buffers and frozen params from rank 0,
+single-process use, state dict names, schedules (issue 4, items 5-6)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerolab as zl
+from zerolab.engine.flat import find_units, group_units
+from zerolab.engine.optim import WarmupDecayLR, WarmupLR
+from zerolab.models import MLP, TinyGPT, loss_fn, synthetic_batch
+
+ADAM = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"zero_optimization": {"stage": 3}}, "stage 3 is not implemented"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload"),
+    ({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}}, "ZeRO\\+\\+"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "amsgrad": True}}}, "amsgrad"),
+])
+def test_unsupported_config_is_refused_before_touching_the_model(extra, match):
+    model = MLP(seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises((zl.ConfigError, ValueError), match=match):
+        zl.initialize(model, {**ADAM, **extra})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("model, match", [
+    (nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)), "sparse"),
+    (nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).double()), "one floating dtype"),
+    (nn.Linear(4, 2).requires_grad_(False), "no trainable parameters"),
+])
+def test_unsupported_models_are_refused(model, match):
+    with pytest.raises(ValueError, match=match):
+        zl.initialize(model, ADAM)
+
+
+def test_a_model_cannot_be_wrapped_twice():
+    model = MLP(seed=0)
+    zl.initialize(model, ADAM)
+    with pytest.raises(ValueError, match="already wrapped"):
+        zl.initialize(model, ADAM)
+
+
+def test_single_process_without_torch_distributed_matches_torch_optim():
+    assert not dist.is_initialized()
+    model, ref = MLP(seed=4), MLP(seed=4)
+    engine = zl.initialize(model, {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                                   "gradient_clipping": 0.1, "zero_optimization": {"stage": 2}})
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = synthetic_batch(model, 8, step=step)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+        opt.zero_grad()
+        loss_fn(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        opt.step()
+    sd = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+    assert engine.comm.total_bytes() == 0 and engine.global_steps == 3
+
+
+def test_units_tied_weights_and_state_dict_names():
+    model = TinyGPT.preset("micro", seed=0)
+    assert [name for name, _ in find_units(model)] == ["rest", "blocks.0", "blocks.1"]
+    engine = zl.initialize(model, ADAM)
+    owners = [u.name for u in engine.flat.units for _, p in u.params if p is model.wte.weight]
+    assert owners == ["rest"]  # the tied embedding/head belongs to exactly one unit
+    assert engine.flat.numel == sum(p.numel() for p in model.parameters())  # counted once
+    sd = engine.full_state_dict()
+    assert list(sd) == list(model.state_dict())  # the model's own names, tied ones included
+    assert torch.equal(sd["wte.weight"], sd["head.weight"])
+
+
+def test_buckets_never_split_a_unit_and_follow_backward_order():
+    model = MLP(depth=4, seed=0)
+    engine = zl.initialize(model, ADAM)
+    units = engine.flat.units
+    buckets = group_units(units, 2 * max(u.padded for u in units))
+    assert [u.name for b in reversed(buckets) for u in b] == [u.name for u in units]
+    assert all(b[i].offset + b[i].padded == b[i + 1].offset for b in buckets for i in range(len(b) - 1))
+    assert [u.name for u in buckets[0]][-1] == units[-1].name  # the last unit (first in backward) first
+
+
+def broadcast_worker():
+    rank = dist.get_rank()
+    model = MLP(frozen=True, buffer=True, seed=rank)  # every rank starts different
+    engine = zl.initialize(model, {**ADAM, "zero_optimization": {"stage": 1}})
+    x, y = synthetic_batch(model, 6, rank=rank, world_size=3)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    return {k: v.clone() for k, v in engine.full_state_dict().items()}, model.unused.grad if hasattr(model, "unused") else None
+
+
+def test_params_frozen_params_and_buffers_come_from_rank_0():
+    results = zl.launch(broadcast_worker, world_size=3, threads=1)
+    want = MLP(frozen=True, buffer=True, seed=0).state_dict()
+    for sd, _ in results:
+        assert torch.equal(sd["offset"], want["offset"])                    # buffer
+        assert torch.equal(sd["blocks.0.scale"], want["blocks.0.scale"])    # frozen, never updated
+        for k in sd:
+            assert torch.equal(sd[k], results[0][0][k])
+
+
+def test_unused_parameter_gets_a_zero_gradient_and_stays_put():
+    model = MLP(unused=True, seed=0)
+    before = model.unused.detach().clone()
+    engine = zl.initialize(model, {"optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+                                   "zero_optimization": {"stage": 0}})
+    x, y = synthetic_batch(model, 4)
+    engine.backward(loss_fn(engine(x), y))
+    assert torch.equal(model.unused.grad, torch.zeros(7))
+    engine.step()
+    assert torch.equal(model.unused.detach(), before)
+
+
+def test_schedules_follow_deepspeed():
+    w = WarmupLR(warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10)
+    assert w.lr(0) == 0.0 and w.lr(10) == 1.0 and w.lr(50) == 1.0
+    assert math.isclose(w.lr(4), math.log(5) / math.log(10))
+    d = WarmupDecayLR(total_num_steps=20, warmup_min_lr=0.1, warmup_max_lr=1.1, warmup_num_steps=10,
+                      warmup_type="linear")
+    assert math.isclose(d.lr(5), 0.6) and math.isclose(d.lr(10), 1.1) and math.isclose(d.lr(15), 0.6)
+    assert math.isclose(d.lr(20), 0.1) and math.isclose(d.lr(30), 0.1)
+
+
+def test_scheduler_drives_the_engine_lr():
+    model = MLP(seed=0)
+    engine = zl.initialize(model, {"optimizer": {"type": "SGD", "params": {"lr": 5.0}},
+                                   "scheduler": {"type": "WarmupLR", "params": {
+                                       "warmup_min_lr": 0.0, "warmup_max_lr": 0.2, "warmup_num_steps": 4,
+                                       "warmup_type": "linear"}}})
+    lrs = []
+    for step in range(6):
+        lrs.append(engine.get_lr())
+        x, y = synthetic_batch(model, 4, step=step)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    assert lrs == pytest.approx([0.0, 0.05, 0.1, 0.15, 0.2, 0.2])
+
+
+def test_gathered_parameters_is_a_no_op_below_stage_3():
+    model = MLP(seed=0)
+    engine = zl.initialize(model, ADAM)
+    with zl.gathered_parameters(engine, model.head):
+        assert model.head.weight.shape == (4, 32)
