@@ -1,0 +1,148 @@
+"""Every exercise: the solution passes, the stub fails, and plausible wrong answers fail.
+
+One kernel per exercise (``grading.grade_variants``): the solution, the untouched
+stub and each wrong answer run through every cell of the pristine notebook in
+turn. ``WRONG`` documents which check catches which mistake; the closing
+report of issue 7 lists the same table.
+"""
+from __future__ import annotations
+
+import pytest
+
+from zerolab import exercises as ex
+from zerolab import grading
+
+pytestmark = pytest.mark.slow
+
+
+def _solution(exercise, answer):
+    nb = ex.read(ex.solution_path(exercise))
+    return next(c.source for c in nb.cells if ex.meta(c).get("answer") == answer)
+
+
+def _stubs(exercise):
+    nb = ex.read(ex.solution_path(exercise))
+    return {ex.meta(c)["answer"]: ex.meta(c)["stub"] for c in nb.cells if ex.ANSWER in ex.tags(c)}
+
+
+def mutate(exercise, answer, *edits):
+    """The solution of ``answer`` with each (old, new) replacement applied (old must occur)."""
+    src = _solution(exercise, answer)
+    for old, new in edits:
+        assert old in src, f"{exercise}/{answer}: {old!r} not in the solution"
+        src = src.replace(old, new)
+    return {answer: src}
+
+
+# exercise -> {label: (answers, the checks that must fail)}
+WRONG = {
+    "01_memory": {
+        "no padding (floor division)": (
+            mutate("01_memory", "model_state_bytes", ("-(-psi // n_gpus)", "psi // n_gpus")),
+            {"padding when N does not divide Ψ", "every precision and stage, N = 1..8"}),
+        "fp32 with a master copy (K = 12)": (
+            mutate("01_memory", "model_state_bytes", ('"fp32": (4, 4, 8)', '"fp32": (4, 4, 12)')),
+            {"every precision and stage, N = 1..8", "against engine.memory() on 2 ranks"}),
+        "stage 2 partitions the parameters": (
+            mutate("01_memory", "model_state_bytes", ("stage >= 3 else psi", "stage >= 2 else psi")),
+            {"the ZeRO paper's 7.5B model on 64 GPUs", "against engine.memory() on 2 ranks"}),
+        "a budget met exactly does not fit (< instead of <=)": (
+            mutate("01_memory", "min_gpus_to_fit", ("<= gpu_bytes", "< gpu_bytes")),
+            {"the fewest GPUs that fit"}),
+    },
+    "02_ring_allreduce": {
+        "N steps instead of N-1 in the reduce-scatter": (
+            mutate("02_ring_allreduce", "ring_all_reduce", ("for s in range(n - 1):                          # reduce",
+                                                            "for s in range(n):                              # reduce")),
+            {"each rank sends 2(N-1)/N of the tensor"}),   # the sums survive: the all-gather overwrites
+        "adds instead of copying in the all-gather": (
+            mutate("02_ring_allreduce", "ring_all_reduce", ("chunks[recv_i].copy_(exchange(", "chunks[recv_i].add_(exchange(")),
+            {"the ring sums correctly on 2, 3 and 4 ranks"}),
+        "shortcut through dist.all_reduce": (
+            {"ring_all_reduce": "def ring_all_reduce(t):\n    dist.all_reduce(t)\n"
+                                "    n = dist.get_world_size()\n    return 2 * (n - 1) * t.numel() * 4 // n\n"},
+            {"the ring sums correctly on 2, 3 and 4 ranks", "each rank sends 2(N-1)/N of the tensor"}),
+        "reports bytes without the (N-1)/N factor": (
+            mutate("02_ring_allreduce", "ring_all_reduce", ("    return sent", "    return 2 * t.numel() * t.element_size()")),
+            {"each rank sends 2(N-1)/N of the tensor"}),
+        "averages instead of summing": (
+            mutate("02_ring_allreduce", "all_reduce_via_rs_ag", ("comm.reduce_scatter(shard, buf)",
+                                                                 "comm.reduce_scatter(shard, buf, op='avg')")),
+            {"reduce-scatter + all-gather, with padding"}),
+        "no padding before the reduce-scatter": (
+            mutate("02_ring_allreduce", "all_reduce_via_rs_ag", ("padded = -(-flat.numel() // n) * n",
+                                                                 "padded = flat.numel()")),
+            {"reduce-scatter + all-gather, with padding"}),
+        "forgets the (N-1)/N factor": (
+            mutate("02_ring_allreduce", "ring_cost", ("return 2 * (n - 1) * nbytes // n", "return 2 * nbytes")),
+            {"the byte and time formulas"}),
+        "latency paid once per phase": (
+            mutate("02_ring_allreduce", "ring_cost", ("2 * (n - 1) * latency", "2 * latency")),
+            {"the byte and time formulas"}),
+    },
+    "03_flat_partition": {
+        "off-by-one padding (always one more chunk)": (
+            mutate("03_flat_partition", "shard_layout", ("shard = -(-numel // world_size)",
+                                                         "shard = numel // world_size + 1")),
+            {"padded size and shard size"}),
+        "floor division drops the tail": (
+            mutate("03_flat_partition", "shard_layout", ("shard = -(-numel // world_size)",
+                                                         "shard = max(1, numel // world_size)")),
+            {"padded size and shard size", "one all-gather rebuilds the parameters on 3 and 4 ranks"}),
+        "piece start measured from the flat buffer, not the shard": (
+            mutate("03_flat_partition", "shard_pieces", ("lo - offset, lo - lo_r, hi - lo", "lo - offset, lo, hi - lo")),
+            {"pieces cover every element exactly once"}),
+        "inclusive end: one element too many": (
+            mutate("03_flat_partition", "shard_pieces", ("if lo < hi:", "if lo <= hi:"),
+                   ("lo - offset, lo - lo_r, hi - lo", "lo - offset, lo - lo_r, hi - lo + 1")),
+            {"pieces cover every element exactly once"}),
+        "every rank builds rank 0's shard": (
+            mutate("03_flat_partition", "build_shard", ("shard_pieces(numels, world_size, rank)",
+                                                        "shard_pieces(numels, world_size, 0)")),
+            {"your shards equal the engine's FlatParams shards",
+             "one all-gather rebuilds the parameters on 3 and 4 ranks"}),
+    },
+    "07_choose_config": {
+        "ignores activations": (
+            mutate("07_choose_config", "choose_config", ("if memory + activation_bytes <= gpu_bytes:",
+                                                         "if memory <= gpu_bytes:")),
+            {"the chosen stage fits in GPU memory"}),
+        "always stage 3": (
+            mutate("07_choose_config", "choose_config", ('zero = {"stage": stage}', 'zero = {"stage": 3}')),
+            {"no fitting stage is faster, or as fast with less memory"}),
+        "ignores gradient accumulation in the communication time": (
+            mutate("07_choose_config", "choose_config", ("grad_accum=gas", "grad_accum=1")),
+            {"no fitting stage is faster, or as fast with less memory"}),
+        "accumulation steps without N": (
+            mutate("07_choose_config", "choose_config", ("divmod(global_batch, micro_batch * n_gpus)",
+                                                         "divmod(global_batch, micro_batch)")),
+            {"every config is valid DeepSpeed JSON with the right batch"}),
+        "ties broken by the lower stage": (
+            mutate("07_choose_config", "choose_config", ("min((m, s, s)", "min((s, m, s)")),
+            {"no fitting stage is faster, or as fast with less memory"}),
+    },
+}
+
+
+@pytest.mark.parametrize("exercise", sorted(WRONG))
+def test_solution_stub_and_wrong_answers(exercise):
+    variants = {"solution": {}, "stub": _stubs(exercise)}
+    variants.update({label: answers for label, (answers, _) in WRONG[exercise].items()})
+    reports = grading.grade_variants(exercise, variants)
+
+    sol = reports["solution"]
+    assert sol.passed, sol.text()
+    assert len(sol.checks) >= 3
+    stub = reports["stub"]
+    assert not any(c.passed for c in stub.checks), stub.text()
+    for label, (_, must_fail) in WRONG[exercise].items():
+        rep = reports[label]
+        assert not rep.passed, f"wrong answer {label!r} passed:\n{rep.text()}"
+        assert must_fail <= rep.failed_checks(), (
+            f"wrong answer {label!r}: expected {sorted(must_fail)} to fail, failed {sorted(rep.failed_checks())}")
+
+
+def test_every_exercise_has_wrong_answers():
+    assert set(WRONG) <= set(ex.names())
+    for exercise, variants in WRONG.items():
+        assert len(variants) >= 2, exercise
