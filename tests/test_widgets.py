@@ -159,3 +159,40 @@ def test_explorer_comm_volume(explorer):
     n, psi = 64, 7.5e9
     assert comm[0] == comm[1] == comm[2] == pytest.approx(2 * 2 * psi * (n - 1) / n, rel=1e-9)
     assert comm[3] == pytest.approx(3 * 2 * psi * (n - 1) / n, rel=1e-9)
+
+
+# -- plots ---------------------------------------------------------------------
+
+def _labelled(ax):
+    return ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
+
+
+def test_plots_are_titled_and_labelled_with_units():
+    from zerolab import plots, theory
+    ests = [theory.estimate(1e6, 4, 3) for _ in range(4)]
+    ax = plots.memory_bars(ests, measured=[e.as_dict() for e in ests])
+    assert _labelled(ax) and "bytes" in ax.get_ylabel()
+    # stage 3, Ψ = 1e6, N = 4: params 2Ψ/N = 0.5 MB, grads 0.5 MB, optimizer 12Ψ/N = 3 MB
+    assert len(ax.patches) == 2 * 3 * 4                               # (predicted, measured) x 3 kinds x 4 ranks
+    assert sorted({round(p.get_height(), 6) for p in ax.patches}) == [0.5, 3.0]
+    ax = plots.comm_bars([{"all_gather": 3_000_000, "reduce_scatter": 1_000_000}] * 2, expected=4_000_000)
+    assert _labelled(ax) and "(MB)" in ax.get_ylabel()
+    assert [round(p.get_height(), 3) for p in ax.patches] == [3.0, 3.0, 1.0, 1.0]
+    ax = plots.bandwidth_curves(["demo"], n=4)
+    line = ax.get_lines()[0]
+    assert _labelled(ax) and ax.get_ylabel() == "time (s)"
+    from zerolab.network import LINKS
+    x, y = line.get_data()
+    assert y[-1] == pytest.approx(LINKS["demo"].time("all_reduce", int(x[-1] * 1e6), 4), rel=1e-6)
+
+
+def test_plot_timeline_draws_one_box_per_event():
+    from zerolab import plots
+    events = [[{"kind": "forward", "start": 1.0, "end": 1.010}, ("all_gather", 1.002, 1.004)],
+              [("forward", 1.001, 1.011)]]
+    ax = plots.plot_timeline(events)
+    assert _labelled(ax) and "(ms)" in ax.get_xlabel()
+    boxes = [(round(x, 6), round(w, 6)) for coll in ax.collections for path in coll.get_paths()
+             for (x, w) in [(path.vertices[:, 0].min(), path.vertices[:, 0].max() - path.vertices[:, 0].min())]]
+    assert sorted(boxes) == [(0.0, 10.0), (1.0, 10.0), (2.0, 2.0)]    # ms since the first event
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["all_gather", "forward"]

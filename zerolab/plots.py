@@ -3,7 +3,8 @@
 Every function draws on a matplotlib ``Axes`` (made for you when ``ax`` is None)
 and returns it; every plot gets a title and axis labels with units. Sizes are
 shown in GB = 10^9 bytes, as in the ZeRO paper. ``figure_png`` turns a figure
-into PNG bytes, which is how the widgets display (chapters 1-2) without pyplot.
+into PNG bytes and ``show`` displays a figure: the widgets and chapters draw
+without pyplot, so no figure leaks out of a widget's output area.
 
 Used by: chapter 1 (``stage_memory_bars``, ``memory_bars``), chapter 2
 (``comm_bars``, ``bandwidth_curves``, ``ring_grid``), chapter 6 (``plot_timeline``).
@@ -34,6 +35,12 @@ def figure_png(fig, dpi=80) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
     return buf.getvalue()
+
+
+def show(fig, dpi=100):
+    """Display ``fig`` in the notebook as a PNG (works without pyplot or ``%matplotlib``)."""
+    from IPython.display import Image, display
+    display(Image(data=figure_png(fig, dpi=dpi), format="png"))
 
 
 def _get(obj, name):
@@ -166,13 +173,14 @@ def comm_bars(measured, expected=None, ax=None, title=None):
     _label_bars(ax, range(len(ranks)), bottom)
     if expected is not None:
         exp = expected if isinstance(expected, (list, tuple)) else [expected] * len(ranks)
-        ax.plot(range(len(ranks)), [e / scale for e in exp], "k_", markersize=40, mew=2,
-                label="formula")
+        ax.hlines([e / scale for e in exp], [i - 0.4 for i in range(len(ranks))],
+                  [i + 0.4 for i in range(len(ranks))], colors="black", linewidth=2, label="formula")
+    ax.set_ylim(0, 1.3 * (max(bottom + [e / scale for e in (exp if expected is not None else [])]) or 1))
     ax.set_xticks(range(len(ranks)), [f"rank {i}" for i in range(len(ranks))])
     ax.set_xlabel("rank")
     ax.set_ylabel(f"bytes sent ({unit})")
     ax.set_title(title or "Bytes each rank sent (ledger) vs formula")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", ncols=len(ops) + 1)
     return ax
 
 
