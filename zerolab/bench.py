@@ -8,10 +8,13 @@ noise falls on all of them alike; the ratio ours/peer compares medians from
 the same run. A step's time is the slowest rank's, each step starting at a
 barrier; warm-up steps are not timed.
 
-Per contender and rank, memory comes from the torch profiler's allocation
-events (``measure.PeakMeter("profiler")``): *held* = what building it and the
-warm-up steps left allocated, *peak* = held + the highest point of one
-profiled step. Bytes per step: our ledger; the peers' from the ring formulas.
+Per contender and rank, memory is measured in a first pass that builds and
+trains one contender at a time and tears it down before the next: *peak* =
+the highest resident set while it is built and trained (VmHWM,
+``measure.PeakMeter("hwm")``), *held* = what stays resident after its last
+step, both above the resident set just before it was built. Resident, not
+allocated: DeepSpeed's up-front ``reduce_bucket_size`` buffer (5e8 elements
+by default) is never touched on CPU and does not count. Bytes per step: our ledger; the peers' from the ring formulas.
 After the last step every contender's full parameters are compared with the
 first contender's (max abs difference): all of them do the same maths.
 
@@ -86,7 +89,6 @@ def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
     """Runs on every rank: build all contenders, time them round-robin, cross-check parameters."""
     import torch
     import torch.distributed as dist
-    from .measure import PeakMeter
     from .models import synthetic_batch
     warnings.filterwarnings("ignore", category=FutureWarning)      # gloo's renamed collectives
     warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.jit inside the peers
@@ -94,7 +96,6 @@ def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
     rank, world = dist.get_rank(), dist.get_world_size()
     total = warmup + 1 + steps * repeats
     data = [synthetic_batch(preset, batch, seed=0, step=k, rank=rank, world_size=world) for k in range(total)]
-    meter = (lambda: PeakMeter("profiler")) if memory else None
     runners, out = [], {s.key: dict(times=[], held=None, peak=None, build_s=0.0) for s in specs}
 
     def one_step(r):
@@ -104,16 +105,14 @@ def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
         r.step(x, y)
         return time.perf_counter() - t0
 
+    if memory:  # one contender at a time, each torn down before the next
+        for spec in specs:
+            out[spec.key].update(_memory_pass(spec, preset, warmup, one_step))
     for spec in specs:
         t0 = time.perf_counter()
-        with (meter() if meter else _Null()) as held:
-            r = bp.build(spec.kind, preset, spec.stage, spec.cfg)
-            for _ in range(warmup):
-                one_step(r)
-        with (meter() if meter else _Null()) as step_peak:
-            one_step(r)  # profiled, not timed
-        if memory:
-            out[spec.key].update(held=held.delta, peak=held.delta + step_peak.peak)
+        r = bp.build(spec.kind, preset, spec.stage, spec.cfg)
+        for _ in range(warmup + 1):
+            one_step(r)
         out[spec.key]["build_s"] = time.perf_counter() - t0
         r.reset_bytes()  # the ledger counts the timed steps only
         runners.append((spec, r))
@@ -134,20 +133,33 @@ def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
     return out
 
 
-class _Null:
-    delta = peak = 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
+def _memory_pass(spec, preset, warmup, one_step) -> dict:
+    """Resident bytes this contender adds on this rank: ``peak`` while it is built and
+    trained (VmHWM, measure.PeakMeter("hwm")), ``held`` after the last step, both above
+    the resident set just before it was built."""
+    import gc
+    from .measure import PeakMeter, _status_kb, _trim_heap
+    gc.collect()
+    _trim_heap()
+    anon0 = _status_kb("RssAnon") or 0
+    with PeakMeter("hwm") as pm:
+        r = bp.build(spec.kind, preset, spec.stage, spec.cfg)
+        for _ in range(warmup + 1):
+            one_step(r)
+    gc.collect()
+    _trim_heap()
+    held = ((_status_kb("RssAnon") or 0) - anon0) * 1024  # anonymous pages: data, not code
+    r.close()
+    del r
+    gc.collect()
+    return dict(peak=pm.peak, held=max(0, held))
 
 
 # ---------------------------------------------------------------- the parent
 def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, timeout) -> dict:
     """Launch ``world_size`` ranks, run every contender, summarise per contender."""
     from .launch import launch
+    from .theory import estimate
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the ranks
     _preload({s.kind for s in specs})
     per_rank = launch(_rank_main, world_size=world_size, threads=1, timeout=timeout,
@@ -166,6 +178,7 @@ def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, 
             bytes_per_step=ranks[0]["bytes_per_step"], bytes_source=ranks[0]["bytes_source"],
             max_abs_diff=max(r["max_abs_diff"] for r in ranks),
             build_s=max(r["build_s"] for r in ranks),
+            states_theory_bytes=estimate(model_params(preset), world_size, spec.stage, "fp32").total,
             link=spec.cfg.get("zerolab", {}).get("link"),
             overlap_comm=spec.cfg["zero_optimization"].get("overlap_comm")))
     return dict(world_size=world_size, contenders=rows)

@@ -18,12 +18,13 @@ def world_table(result: dict, world: dict) -> str:
     head = (f"zerolab bench: {s['model']} TinyGPT ({s['params'] / 1e6:.2f}M params), {world['world_size']} ranks, "
             f"gloo, 1 thread/rank, global batch {s['batch']}, {s['repeats']} interleaved rounds x {s['steps']} steps")
     lines = [head, f"{'contender':<46}{'median ms':>10}{'IQR ms':>14}{'held MB':>9}{'peak MB':>9}"
-                   f"{'sent/step MB':>14}{'max|Δp|':>10}"]
+                   f"{'16Ψ/N MB':>9}{'sent/step MB':>13}{'max|Δp|':>9}"]
     for r in world["contenders"]:
         iqr = f"{r['q1_ms']:.0f}-{r['q3_ms']:.0f}"
         sent = f"{r['bytes_per_step'] / MB:.2f}" + ("" if r["bytes_source"] == "ledger" else "*")
         lines.append(f"{r['label'][:45]:<46}{r['median_ms']:>10.1f}{iqr:>14}{_mb(r['held_bytes']):>9}"
-                     f"{_mb(r['peak_bytes']):>9}{sent:>14}{r['max_abs_diff']:>10.1e}")
+                     f"{_mb(r['peak_bytes']):>9}{r['states_theory_bytes'] / MB:>9.1f}{sent:>13}"
+                     f"{r['max_abs_diff']:>9.0e}")
     if world.get("ratios"):
         lines.append("ours / peer (median step time, same run; < 1 means ours is faster):")
         for q in world["ratios"]:
@@ -34,8 +35,9 @@ def world_table(result: dict, world: dict) -> str:
         for q in world["speedups"]:
             lines.append(f"  stage {q['stage']}  {q['link']:<10} {q['speedup']:.2f}x "
                          f"({q['serial_ms']:.1f} -> {q['overlap_ms']:.1f} ms)")
-    lines.append("held/peak: max over ranks (torch profiler allocation events); * = bytes from the ring "
-                 "formulas, else our ledger; max|Δp|: final parameters vs the first row")
+    lines.append("held/peak: resident MB the contender adds, max over ranks (VmHWM); 16Ψ/N: fp32 Adam model "
+                 "states of its stage (theory); sent/step: our ledger, * = ring formulas; max|Δp|: final "
+                 "parameters vs the first row")
     return "\n".join(lines) + "\n"
 
 
