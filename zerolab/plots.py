@@ -136,11 +136,14 @@ def memory_bars(predicted, measured=None, ax=None, title=None,
             bottom = [b + v for b, v in zip(bottom, vals)]
         _label_bars(ax, xs, bottom, "{:.3g}")
     ax.set_xticks(range(len(predicted)), [f"rank {i}" for i in range(len(predicted))])
+    pad = max(0.0, (3 - len(predicted)) / 2)           # keep one or two ranks from filling the axes
+    ax.set_xlim(-0.5 - pad, len(predicted) - 0.5 + pad)
+    ax.set_ylim(0, 1.3 * ax.get_ylim()[1])                # room for the legend
     ax.set_ylabel(f"bytes held ({unit})")
     ax.set_xlabel("rank" + ("   (left: predicted, hatched; right: measured)" if measured is not None else ""))
     ax.set_title(title or ("Memory per rank: predicted vs measured" if measured is not None
                            else "Memory per rank"))
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", ncols=len(categories))
     return ax
 
 
