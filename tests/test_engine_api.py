@@ -153,3 +153,27 @@ def test_gathered_parameters_is_a_no_op_below_stage_3():
     engine = zl.initialize(model, ADAM)
     with zl.gathered_parameters(engine, model.head):
         assert model.head.weight.shape == (4, 32)
+
+
+def overlap_worker(stage, overlap):
+    rank = dist.get_rank()
+    model = TinyGPT.preset("micro", seed=0)
+    engine = zl.initialize(model, {**ADAM, "zero_optimization": {"stage": stage, "overlap_comm": overlap,
+                                                                 "reduce_bucket_size": 100},
+                                   "zerolab": {"trace": True}})
+    x, y = synthetic_batch(model, 4, rank=rank, world_size=2)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    return [(name, i) for name, i, _ in engine.events]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_overlap_comm_issues_buckets_during_backward(stage):
+    """Buckets go out while backward still runs; with overlap_comm they complete after it ends."""
+    on, off = (zl.launch(overlap_worker, world_size=2, args=(stage, o), threads=1)[0] for o in (True, False))
+    for ev in (on, off):
+        assert [i for name, i in ev if name == "reduce-issued"] == [0, 1, 2]  # last unit first, in order
+        assert ev.index(("reduce-issued", 0)) < ev.index(("backward-end", -1))
+    end = on.index(("backward-end", -1))
+    assert all(on.index(("reduce-done", i)) > end for i in range(3))    # waited for after backward
+    assert all(off.index(("reduce-done", i)) < off.index(("reduce-issued", i + 1)) for i in range(2))  # blocking

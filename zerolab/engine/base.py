@@ -21,6 +21,8 @@ by N (together with the loss-scale and clipping factors), so no extra pass.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -58,6 +60,8 @@ def _cast_floats(x, dtype):
 
 
 class Engine:
+    """The training loop; a stage subclass defines own/build_grads/keep_grad/reduce_bucket/
+    owned_grads/zero_grads/after_update/grad_bytes (see ``Stage0Engine``)."""
     stage = 0
     shards_optimizer = False        # stages 1+: the optimizer holds only this rank's shard
     reduce_every_micro_step = False  # stage 2: gradients cannot wait for the boundary
@@ -105,43 +109,25 @@ class Engine:
         self._pending = []  # [(handle, finish or None, tensors kept alive until finished)]
         self._in_backward, self._reducing, self._reduced = False, False, True
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.flat.params()]
+        self.events = [] if cfg.trace else None  # timeline: (event, bucket or -1, perf_counter seconds)
 
-    # ---------------------------------------------------------------- what a stage defines
-    def own(self, buf: torch.Tensor, u) -> torch.Tensor:
-        raise NotImplementedError
+    def event(self, name: str, index: int = -1) -> None:
+        if self.events is not None:
+            self.events.append((name, index, time.perf_counter()))
 
-    def build_grads(self) -> None:
-        raise NotImplementedError
-
-    def keep_grad(self, p) -> None:
-        raise NotImplementedError
-
-    def reduce_bucket(self, i: int) -> None:
-        raise NotImplementedError
-
-    def owned_grads(self) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def zero_grads(self) -> None:
-        raise NotImplementedError
-
-    def after_update(self) -> None:
-        raise NotImplementedError
-
-    def grad_bytes(self) -> int:
-        raise NotImplementedError
-
-    def track(self, handle, finish=None, keep=()) -> None:
+    # ---------------------------------------------------------------- helpers for the stages
+    def track(self, handle, finish=None, keep=(), index: int = -1) -> None:
         """Finish a collective now if it is done (overlap off), else when backward ends."""
         if handle.done:
             if finish is not None:
                 finish()
+            self.event("reduce-done", index)
         else:
-            self._pending.append((handle, finish, keep))
+            self._pending.append((handle, finish, keep, index))
 
     def transient_bytes(self) -> int:
         """Bytes in staging buffers and in-flight temporaries right now."""
-        storages = {t.untyped_storage().data_ptr(): _nbytes(t) for _, _, keep in self._pending for t in keep}
+        storages = {t.untyped_storage().data_ptr(): _nbytes(t) for _, _, keep, _ in self._pending for t in keep}
         return sum(storages.values())
 
     # ---------------------------------------------------------------- the training loop
@@ -162,6 +148,7 @@ class Engine:
         self._ready = [False] * len(self.buckets)
         self._next_bucket, self._pending = 0, []
         self._reduced = not self._reducing
+        self.event("backward-start")
         factor = (self.scaler.scale if self.scaler else 1.0) / self.gas
         (loss.float() * factor if factor != 1.0 else loss).backward()
         if self._reducing and not self._reduced:   # no parameter got a gradient at all
@@ -182,6 +169,7 @@ class Engine:
     def _launch_ready(self) -> None:
         """Issue ready buckets in bucket order (every rank must call collectives in the same order)."""
         while self._next_bucket < len(self.buckets) and self._ready[self._next_bucket]:
+            self.event("reduce-issued", self._next_bucket)
             self.reduce_bucket(self._next_bucket)
             self._next_bucket += 1
 
@@ -191,10 +179,12 @@ class Engine:
             return
         self._ready = [True] * len(self.buckets)  # unused parameters: their (zero) gradients go as they are
         self._launch_ready()
-        for handle, finish, _ in self._pending:
+        self.event("backward-end")
+        for handle, finish, _, index in self._pending:
             handle.wait()
             if finish is not None:
                 finish()
+            self.event("reduce-done", index)
         self._pending = []
         self._reduced = True
 
@@ -204,6 +194,7 @@ class Engine:
         self.micro_steps += 1
         if self.micro_steps % self.gas:
             return
+        self.event("step-start")
         grads = self.owned_grads()
         if self.scaler is not None and self._overflow(grads):
             self.scaler.update(True)
@@ -228,6 +219,7 @@ class Engine:
         self.global_steps += 1
         if self.scaler is not None:
             self.scaler.update(False)
+        self.event("step-end")
 
     def _overflow(self, grads) -> bool:
         """fp16: inf/nan anywhere in any rank's shard -> every rank skips (all-reduce MAX)."""

@@ -51,7 +51,7 @@ class Stage0Engine(Engine):
         b = self.buckets[i]
         start, end = b[0].offset, b[-1].offset + b[-1].padded
         h = self.communicator.all_reduce(self.grads[start:end], async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
-        self.track(h)
+        self.track(h, index=i)
 
     def owned_grads(self) -> list[torch.Tensor]:
         """The reduced gradients the optimizer reads: all of them."""

@@ -42,7 +42,7 @@ class Stage1Engine(Stage0Engine):
 
         def finish():
             torch._foreach_copy_([self.own(self.grads, u) for u in b], list(out.split([u.shard for u in b])))
-        self.track(h, finish, (inp, out) if len(b) > 1 else (out,))
+        self.track(h, finish, (inp, out) if len(b) > 1 else (out,), i)
 
     def after_update(self) -> None:
         self.all_gather_params()
@@ -55,9 +55,11 @@ class Stage1Engine(Stage0Engine):
             fulls = [flat.unit_view(flat.flat, u) for u in b]
             inp = torch.cat([self.own(flat.flat, u) for u in b])  # (ΣS,) this rank's shards, a copy
             out = fulls[0] if len(b) == 1 else torch.empty(n * inp.numel(), dtype=inp.dtype, device=inp.device)
+            self.event("gather-issued", i)
             h = self.communicator.all_gather(out, inp, async_op=self.overlap_comm, tag=f"param-bucket-{i}")
             pending.append((h, b, fulls, out, inp))
-        for h, b, fulls, out, inp in pending:
+        for i, (h, b, fulls, out, inp) in enumerate(pending):
             h.wait()
             if len(b) > 1:
                 unpack_rank_major(out, fulls, n)
+            self.event("gather-done", i)

@@ -66,7 +66,7 @@ class Stage2Engine(Stage1Engine):
         first = self.micro_steps % self.gas == 0  # first micro-batch of the step: the shard is zero
         out = dest if first else torch.empty_like(dest)
         h = self.communicator.reduce_scatter(out, inp, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
-        self.track(h, None if first else (lambda: dest.add_(out)), (staging, inp) if first else (staging, inp, out))
+        self.track(h, None if first else (lambda: dest.add_(out)), (staging, inp) if first else (staging, inp, out), i)
 
     def owned_grads(self) -> list[torch.Tensor]:
         return [self.flat.shard_view(self.grad_shard, u) for u in self.flat.units]
@@ -78,6 +78,6 @@ class Stage2Engine(Stage1Engine):
         return _nbytes(self.grad_shard)
 
     def transient_bytes(self) -> int:
-        storages = {t.untyped_storage().data_ptr(): _nbytes(t) for _, _, keep in self._pending for t in keep}
+        storages = {t.untyped_storage().data_ptr(): _nbytes(t) for _, _, keep, _ in self._pending for t in keep}
         storages.update({s.untyped_storage().data_ptr(): _nbytes(s) for s in self._staging if s is not None})
         return sum(storages.values())
