@@ -161,6 +161,24 @@ def test_explorer_comm_volume(explorer):
     assert comm[3] == pytest.approx(3 * 2 * psi * (n - 1) / n, rel=1e-9)
 
 
+def test_explorer_link_and_grad_accum(explorer):
+    from zerolab.network import LINKS
+    psi, n, m = 7.5e9, 64, 2 * 7.5e9                  # M: 16-bit model bytes
+    ib = explorer.data["comm_seconds"][0]
+    # DDP: one ring all-reduce of M bytes: 2(N-1) latencies + 2(N-1)/N M / bandwidth
+    assert ib == pytest.approx(2 * (n - 1) * LINKS["infiniband-200g"].latency
+                               + 2 * (n - 1) / n * m / LINKS["infiniband-200g"].bandwidth, rel=1e-6)
+    explorer.link.value = "nvlink3"
+    assert explorer.data["comm_seconds"][0] < ib / 10
+    base = explorer.data["comm"][:]
+    explorer.grad_accum.value = 4
+    c = explorer.data["comm"]
+    assert c[0] == base[0] and c[1] == base[1]           # reduce once per optimizer step
+    assert c[2] == pytest.approx(base[2] * (4 + 1) / 2)  # reduce-scatter every micro-batch + one all-gather
+    assert c[3] == pytest.approx(base[3] * 4)            # gather, gather, reduce-scatter every micro-batch
+    assert "(g = 4)" in explorer.figure.axes[1].get_title()
+
+
 # -- plots ---------------------------------------------------------------------
 
 def _labelled(ax):

@@ -19,6 +19,9 @@ PRESETS = {"7.5B": 7.5e9, "13B": 13e9, "70B": 70e9, "175B": 175e9}
 GPUS_GB = (24, 40, 80, 141)      # RTX 4090 / A100-40G / A100-80G, H100 / H200
 N_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STAGES = (0, 1, 2, 3)
+# zerolab.network.LINKS preset -> label (the links the seeds discuss; chapter 2)
+LINK_CHOICES = {"nvlink3": "NVLink A100 (300 GB/s each way)", "infiniband-200g": "InfiniBand 200 Gb/s",
+                "ethernet-100g": "Ethernet 100 Gb/s"}
 _WIDE = {"description_width": "initial"}
 
 
@@ -41,7 +44,7 @@ class MemoryExplorer:
 
     def __init__(self, psi=7.5e9, n_gpus=64, precision="mixed", optimizer="adam",
                  gpu_gb=80, layers=32, hidden=4096, heads=32, seq_len=2048, micro_batch=1,
-                 checkpointing=False):
+                 checkpointing=False, link="infiniband-200g"):
         from zerolab import theory
         self._theory = theory
         self.psi = W.FloatLogSlider(value=psi, base=10, min=8, max=12, step=0.01,
@@ -76,17 +79,24 @@ class MemoryExplorer:
         self.micro_batch = W.IntSlider(value=micro_batch, min=1, max=64, description="micro-batch",
                                        continuous_update=False)
         self.checkpointing = W.Checkbox(value=checkpointing, description="activation checkpointing")
+        self.link = W.Dropdown(options=[(label, name) for name, label in LINK_CHOICES.items()],
+                               value=link, description="link", style=_WIDE)
+        self.grad_accum = W.IntSlider(value=1, min=1, max=16, description="micro-batches per step (g)",
+                                      continuous_update=False, style=_WIDE)
         self.controls = dict(psi=self.psi, n_gpus=self.n_gpus, precision=self.precision,
                              optimizer=self.optimizer, offload_optimizer=self.offload_optimizer,
                              offload_param=self.offload_param, gpu_gb=self.gpu_gb,
                              layers=self.layers, hidden=self.hidden, heads=self.heads,
                              seq_len=self.seq_len, micro_batch=self.micro_batch,
-                             checkpointing=self.checkpointing)
+                             checkpointing=self.checkpointing, link=self.link,
+                             grad_accum=self.grad_accum)
         self.data, self.figure, self.png, self.renders = None, None, None, 0
         self.output = W.interactive_output(self._draw, self.controls)
         acts = W.VBox([W.HBox([self.layers, self.hidden, self.heads]),
                        W.HBox([self.seq_len, self.micro_batch, self.checkpointing])])
-        acc = W.Accordion(children=[acts], titles=("activations (GPT-like model)",))
+        comm = W.HBox([self.link, self.grad_accum])
+        acc = W.Accordion(children=[acts, comm],
+                          titles=("activations (GPT-like model)", "communication (chapter 2)"))
         self.widget = W.VBox([
             W.HBox([self.psi, W.Label("presets:"), *self.presets]),
             W.HBox([self.n_gpus, self.precision, self.optimizer]),
@@ -97,7 +107,8 @@ class MemoryExplorer:
         display(self.widget)
 
     def compute(self, psi, n_gpus, precision, optimizer, offload_optimizer, offload_param,
-                layers, hidden, heads, seq_len, micro_batch, checkpointing, **_):
+                layers, hidden, heads, seq_len, micro_batch, checkpointing,
+                link="infiniband-200g", grad_accum=1, **_):
         """Bytes per GPU for every stage, from ``zl.estimate`` / ``zl.activation_memory``."""
         th = self._theory
         psi = int(round(psi))
@@ -105,7 +116,7 @@ class MemoryExplorer:
                                    checkpointing=checkpointing,
                                    dtype_bytes=4 if precision == "fp32" else 2)
         data = {k: [] for k in ("params", "grads", "optimizer", "activations", "total",
-                                "host", "nvme", "comm")}
+                                "host", "nvme", "comm", "comm_seconds")}
         for stage in STAGES:
             est = th.estimate(psi, n_gpus, stage, precision=precision, optimizer=optimizer,
                               offload_optimizer=offload_optimizer if stage >= 1 else "none",
@@ -114,8 +125,9 @@ class MemoryExplorer:
                 data[k].append(getattr(est, k))
             data["activations"].append(act)
             data["total"].append(est.total + act)
-            data["comm"].append(th.comm_volume(psi, n_gpus, stage,
-                                               dtype_bytes=4 if precision == "fp32" else 2))
+            comm = dict(dtype_bytes=4 if precision == "fp32" else 2, grad_accum=grad_accum)
+            data["comm"].append(th.comm_volume(psi, n_gpus, stage, **comm))
+            data["comm_seconds"].append(th.step_comm_time(psi, n_gpus, stage, link, **comm))
         return data
 
     def _draw(self, gpu_gb, **settings):
@@ -129,12 +141,15 @@ class MemoryExplorer:
         xs = range(len(STAGES))
         comm_gb = [c / plots.GB for c in data["comm"]]
         ax_comm.bar(xs, comm_gb, color="#8172B3", width=0.6)
-        plots._label_bars(ax_comm, list(xs), comm_gb, plots.gb_label)
-        ax_comm.set_ylim(0, 1.15 * max(comm_gb) if max(comm_gb) > 0 else 1)
+        for x, gb, sec in zip(xs, comm_gb, data["comm_seconds"]):
+            ax_comm.text(x, gb, f"{plots.gb_label(gb)}\n{sec:.3g} s", ha="center", va="bottom", fontsize=8)
+        ax_comm.set_ylim(0, 1.2 * max(comm_gb) if max(comm_gb) > 0 else 1)
         ax_comm.set_xticks(list(xs), list(plots.STAGE_NAMES))
         ax_comm.set_xlabel("data-parallel strategy")
         ax_comm.set_ylabel("bytes sent per GPU per step (GB = 1e9 bytes)")
-        ax_comm.set_title("Communication per optimizer step (ring)")
+        g = p["grad_accum"]
+        ax_comm.set_title(f"Sent per step{f' (g = {g})' if g > 1 else ''}; time on {LINK_CHOICES[p['link']]}",
+                          fontsize=10)
         self.figure, self.png = fig, plots.figure_png(fig)
         self.renders += 1
         fits = ", ".join(f"{name} {'fits' if t <= gpu_gb * plots.GB else 'does not fit'}"
