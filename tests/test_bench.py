@@ -20,8 +20,8 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     original = bench.compare_specs
 
-    def with_mutant(stages, world_size, batch):
-        specs, notes = original(stages, world_size, batch)
+    def with_mutant(stages, world_size, batch, *args):
+        specs, notes = original(stages, world_size, batch, *args)
         cfg = bp.ds_config(0, batch // world_size, lr=MUTANT_LR)
         return specs + [bench.Spec("ddp-mutant", "ddp", 0, "torch DDP, other lr", cfg)], notes
 
@@ -61,13 +61,14 @@ def test_smoke_contenders(smoke):
     assert set(rows) == expected
     for r in rows.values():
         assert len(r["times_ms"]) == STEPS and all(t > 0 for t in r["times_ms"]), r["key"]
-        assert r["q1_ms"] <= r["median_ms"] <= r["q3_ms"]
+        assert r["q1_ms"] <= r["median_ms"] <= r["q3_ms"] and r["cpu_ms"] > 0
         assert r["peak_bytes"] == r["held_bytes"] == [None, None]  # memory pass off: keeps the test short
         assert r["bytes_source"] == ("ledger" if r["kind"] == "ours" else "theory")
     ratios = {(q["stage"], q["peer_key"]): q for q in result["runs"][0]["ratios"]}
     assert (0, "ddp-0") in ratios and (1, "zero_redundancy-1") in ratios
     q = ratios[(0, "ddp-0")]
     assert q["ratio"] == pytest.approx(rows["ours-0"]["median_ms"] / rows["ddp-0"]["median_ms"])
+    assert q["cpu_ratio"] == pytest.approx(rows["ours-0"]["cpu_ms"] / rows["ddp-0"]["cpu_ms"])
 
 
 @pytest.mark.slow
@@ -95,6 +96,15 @@ def test_ds_config_is_plain_adam_without_clipping():
     assert ours.optimizer.type == "adam" and ours.optimizer.params["lr"] == 5e-4 and ours.zero.stage == 2
 
 
+def test_compare_specs_share_one_config():
+    specs, _ = bench.compare_specs([1, 2], 2, 8, overlap_comm=True, bucket=12345)
+    assert [s.key for s in specs][:2] == ["ours-1", "zero_redundancy-1"]
+    for s in specs:
+        assert s.cfg["zero_optimization"] == dict(stage=s.stage, overlap_comm=True, reduce_bucket_size=12345,
+                                                  allgather_bucket_size=12345)
+        assert s.cfg["train_micro_batch_size_per_gpu"] == 4
+
+
 def test_overlap_specs_and_speedups():
     specs, _ = bench.overlap_specs([0, 2], 2, 8, bucket=1000, link="demo")
     assert [s.key for s in specs if s.stage == 0] == [
@@ -111,6 +121,7 @@ def test_overlap_specs_and_speedups():
 def test_cli_arguments(capsys):
     args = build_parser().parse_args(["bench", "--world-sizes", "2", "--stages", "1", "3"])
     assert args.world_sizes == [2] and args.stages == [1, 3] and args.model == "small" and not args.overlap
+    assert args.overlap_comm is None and args.bucket is None
     assert main(["bench", "--world-sizes", "2", "--link", "demo", "--out", ""]) == 2   # link needs --overlap
     assert "--overlap" in capsys.readouterr().err
     assert main(["bench", "--world-sizes", "3", "--batch", "8", "--out", ""]) == 2

@@ -49,14 +49,16 @@ def model_params(preset: str) -> int:
     return sum(p.numel() for p in bp.build_model(preset).parameters())
 
 
-def compare_specs(stages, world_size: int, batch: int) -> tuple[list[Spec], list[str]]:
-    """Ours at each stage, then its peers (bench_peers.PEERS); notes say what was skipped."""
+def compare_specs(stages, world_size: int, batch: int, overlap_comm=None,
+                  bucket=None) -> tuple[list[Spec], list[str]]:
+    """Ours at each stage, then its peers (bench_peers.PEERS); notes say what was skipped.
+    ``overlap_comm`` / ``bucket`` go into the config ours and DeepSpeed share (None: defaults)."""
     specs, notes, micro = [], [], batch // world_size
     have_ds = bp.deepspeed_available()
     if not have_ds and any(s in (1, 2, 3) for s in stages):
         notes.append("DeepSpeed is not installed (pip install 'zerolab[bench]'): its rows are skipped")
     for s in stages:
-        cfg = bp.ds_config(s, micro)
+        cfg = bp.ds_config(s, micro, overlap_comm=overlap_comm, bucket=bucket)
         if bp.ours_available(s):
             specs.append(Spec(f"ours-{s}", "ours", s, bp.label("ours", s), cfg))
         else:
@@ -96,14 +98,17 @@ def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
     rank, world = dist.get_rank(), dist.get_world_size()
     total = warmup + 1 + steps * repeats
     data = [synthetic_batch(preset, batch, seed=0, step=k, rank=rank, world_size=world) for k in range(total)]
-    runners, out = [], {s.key: dict(times=[], held=None, peak=None, build_s=0.0) for s in specs}
+    runners, out = [], {s.key: dict(times=[], cpu=[], held=None, peak=None, build_s=0.0) for s in specs}
 
-    def one_step(r):
+    def one_step(r, cpu=None):
         x, y = data[r.steps]
         dist.barrier()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         r.step(x, y)
-        return time.perf_counter() - t0
+        t = time.perf_counter() - t0
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)  # all threads of this rank (compute + gloo)
+        return t
 
     if memory:  # one contender at a time, each torn down before the next
         for spec in specs:
@@ -120,7 +125,7 @@ def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
         order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
         for spec, r in order:
             for _ in range(steps):
-                out[spec.key]["times"].append(one_step(r))
+                out[spec.key]["times"].append(one_step(r, out[spec.key]["cpu"]))
     ref = None
     for spec, r in runners:
         full = r.full_params()  # collective: every rank calls it
@@ -168,12 +173,14 @@ def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, 
     for spec in specs:
         ranks = [pr[spec.key] for pr in per_rank]
         step_s = [max(ts) for ts in zip(*(r["times"] for r in ranks))]  # the slowest rank's step
+        cpu_s = [sum(cs) / len(cs) for cs in zip(*(r["cpu"] for r in ranks))]  # CPU seconds per rank
         q = statistics.quantiles(step_s, n=4) if len(step_s) > 1 else [step_s[0]] * 3
         rows.append(dict(
             key=spec.key, kind=spec.kind, stage=spec.stage, label=spec.label,
             library=bp.KINDS[spec.kind].library,
             median_ms=1e3 * statistics.median(step_s), q1_ms=1e3 * q[0], q3_ms=1e3 * q[2],
             times_ms=[1e3 * t for t in step_s],
+            cpu_ms=1e3 * statistics.median(cpu_s),
             peak_bytes=[r["peak"] for r in ranks], held_bytes=[r["held"] for r in ranks],
             bytes_per_step=ranks[0]["bytes_per_step"], bytes_source=ranks[0]["bytes_source"],
             max_abs_diff=max(r["max_abs_diff"] for r in ranks),
@@ -206,7 +213,8 @@ def ratios(world: dict) -> list[dict]:
         ours = rows.get(f"ours-{r['stage']}")
         if r["kind"] != "ours" and ours is not None:
             out.append(dict(stage=r["stage"], peer=r["label"], peer_key=r["key"], ours_ms=ours["median_ms"],
-                            peer_ms=r["median_ms"], ratio=ours["median_ms"] / r["median_ms"]))
+                            peer_ms=r["median_ms"], ratio=ours["median_ms"] / r["median_ms"],
+                            cpu_ratio=ours["cpu_ms"] / r["cpu_ms"]))
     return out
 
 
@@ -222,9 +230,9 @@ def speedups(world: dict) -> list[dict]:
     return out
 
 
-def bench(world_sizes=(2, 4), stages=(0, 1, 2, 3), steps=5, repeats=5, model="small", out="build/bench",
-          overlap=False, link=None, bucket=None, batch=8, warmup=2, memory=True, timeout=1800,
-          verbose=True) -> dict:
+def bench(world_sizes=(2, 4), stages=(0, 1, 2, 3), steps=2, repeats=10, model="small", out="build/bench",
+          overlap=False, link=None, bucket=None, overlap_comm=None, batch=8, warmup=2, memory=True,
+          timeout=1800, verbose=True) -> dict:
     """Run the benchmark; write ``bench.json`` (+ ``bench.png``) into ``out``; return the result."""
     import torch
     if any(batch % w for w in world_sizes):
@@ -236,18 +244,19 @@ def bench(world_sizes=(2, 4), stages=(0, 1, 2, 3), steps=5, repeats=5, model="sm
         raise ValueError("--steps and --repeats must be >= 1, --warmup >= 0")
     psi = model_params(model)
     link = link or "demo"
-    bucket = bucket or -(-psi // 4)
+    if overlap:
+        bucket = bucket or -(-psi // 4)
     result = dict(schema=SCHEMA, mode="overlap" if overlap else "compare",
                   settings=dict(model=model, params=psi, batch=batch, steps=steps, repeats=repeats, warmup=warmup,
                                 threads_per_rank=1, backend="gloo", precision="fp32",
                                 optimizer="Adam (lr 1e-3, no weight decay)", torch=torch.__version__,
                                 deepspeed=_ds_version(), link=link if overlap else None,
-                                bucket=bucket if overlap else None,
+                                bucket=bucket, overlap_comm=overlap_comm,
                                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())),
                   notes=[], runs=[])
     for w in world_sizes:
         specs, notes = (overlap_specs(stages, w, batch, bucket, link) if overlap
-                        else compare_specs(stages, w, batch))
+                        else compare_specs(stages, w, batch, overlap_comm, bucket))
         result["notes"] += [n for n in notes if n not in result["notes"]]
         if not specs:
             continue
@@ -277,15 +286,19 @@ def _ds_version():
 def add_bench_args(p):
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="N")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4), metavar="S")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per contender per round")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
+    p.add_argument("--repeats", type=int, default=10, help="interleaved rounds")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first")
     p.add_argument("--model", choices=sorted(bp.BENCH_MODELS), default="small")
     p.add_argument("--batch", type=int, default=8, help="global batch (rows of seq_len tokens)")
     p.add_argument("--out", default="build/bench", help="folder for bench.json and bench.png ('' = none)")
     p.add_argument("--overlap", action="store_true", help="ours only: overlap_comm off/on, loopback and --link")
     p.add_argument("--link", default=None, help="simulated link for --overlap (zerolab.network.LINKS; default demo)")
-    p.add_argument("--bucket", type=int, default=None, help="--overlap bucket size in elements (default Ψ/4)")
+    p.add_argument("--bucket", type=float, default=None,
+                   help="reduce/allgather_bucket_size in elements for ours and DeepSpeed (default: DeepSpeed's "
+                        "5e8; with --overlap: Ψ/4)")
+    p.add_argument("--overlap-comm", choices=("on", "off"), default=None,
+                   help="overlap_comm for ours and DeepSpeed (default: DeepSpeed's, off for stages 0-2)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the profiler memory pass")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
 
@@ -295,6 +308,8 @@ def cmd_bench(args) -> int:
         from .network import get_link
         get_link(args.link)  # ValueError names the presets
     bench(world_sizes=args.world_sizes, stages=args.stages, steps=args.steps, repeats=args.repeats,
-          model=args.model, out=args.out, overlap=args.overlap, link=args.link, bucket=args.bucket,
+          model=args.model, out=args.out, overlap=args.overlap, link=args.link,
+          bucket=int(args.bucket) if args.bucket else None,
+          overlap_comm=None if args.overlap_comm is None else args.overlap_comm == "on",
           batch=args.batch, warmup=args.warmup, memory=args.memory, timeout=args.timeout)
     return 0

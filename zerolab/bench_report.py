@@ -16,26 +16,29 @@ def world_table(result: dict, world: dict) -> str:
     """One world size: a row per contender, then ours/peer ratios (or overlap speed-ups)."""
     s = result["settings"]
     head = (f"zerolab bench: {s['model']} TinyGPT ({s['params'] / 1e6:.2f}M params), {world['world_size']} ranks, "
-            f"gloo, 1 thread/rank, global batch {s['batch']}, {s['repeats']} interleaved rounds x {s['steps']} steps")
-    lines = [head, f"{'contender':<46}{'median ms':>10}{'IQR ms':>14}{'held MB':>9}{'peak MB':>9}"
+            f"gloo, 1 thread/rank, global batch {s['batch']}, {s['repeats']} interleaved rounds x {s['steps']} steps\n"
+            f"config shared by ours and DeepSpeed: fp32, Adam, reduce/allgather_bucket_size "
+            f"{s.get('bucket') or '5e8 (default)'}, overlap_comm "
+            f"{ {None: 'default (off for stages 0-2)', True: 'on', False: 'off'}[s.get('overlap_comm')] }")
+    lines = [head, f"{'contender':<46}{'median ms':>10}{'IQR ms':>12}{'CPU ms':>8}{'held MB':>9}{'peak MB':>9}"
                    f"{'16Ψ/N MB':>9}{'sent/step MB':>13}{'max|Δp|':>9}"]
     for r in world["contenders"]:
         iqr = f"{r['q1_ms']:.0f}-{r['q3_ms']:.0f}"
         sent = f"{r['bytes_per_step'] / MB:.2f}" + ("" if r["bytes_source"] == "ledger" else "*")
-        lines.append(f"{r['label'][:45]:<46}{r['median_ms']:>10.1f}{iqr:>14}{_mb(r['held_bytes']):>9}"
+        lines.append(f"{r['label'][:45]:<46}{r['median_ms']:>10.1f}{iqr:>12}{r['cpu_ms']:>8.0f}{_mb(r['held_bytes']):>9}"
                      f"{_mb(r['peak_bytes']):>9}{r['states_theory_bytes'] / MB:>9.1f}{sent:>13}"
                      f"{r['max_abs_diff']:>9.0e}")
     if world.get("ratios"):
-        lines.append("ours / peer (median step time, same run; < 1 means ours is faster):")
+        lines.append("ours / peer (median step time, same run; < 1 means ours is faster; CPU: CPU time per step):")
         for q in world["ratios"]:
             lines.append(f"  stage {q['stage']}  vs {q['peer']:<38} {q['ratio']:.2f}x "
-                         f"({q['ours_ms']:.1f} / {q['peer_ms']:.1f} ms)")
+                         f"({q['ours_ms']:.1f} / {q['peer_ms']:.1f} ms)   CPU {q['cpu_ratio']:.2f}x")
     if world.get("speedups"):
         lines.append("overlap_comm speed-up (serial / overlapped median step time):")
         for q in world["speedups"]:
             lines.append(f"  stage {q['stage']}  {q['link']:<10} {q['speedup']:.2f}x "
                          f"({q['serial_ms']:.1f} -> {q['overlap_ms']:.1f} ms)")
-    lines.append("held/peak: resident MB the contender adds, max over ranks (VmHWM); 16Ψ/N: fp32 Adam model "
+    lines.append("CPU ms: CPU seconds per step of one rank (all its threads), mean over ranks; held/peak: resident MB the contender adds, max over ranks (VmHWM); 16Ψ/N: fp32 Adam model "
                  "states of its stage (theory); sent/step: our ledger, * = ring formulas; max|Δp|: final "
                  "parameters vs the first row")
     return "\n".join(lines) + "\n"
