@@ -177,3 +177,12 @@ def test_overlap_comm_issues_buckets_during_backward(stage):
     end = on.index(("backward-end", -1))
     assert all(on.index(("reduce-done", i)) > end for i in range(3))    # waited for after backward
     assert all(off.index(("reduce-done", i)) < off.index(("reduce-issued", i + 1)) for i in range(2))  # blocking
+
+
+def test_two_backwards_at_the_boundary_are_refused():
+    model = MLP(seed=0)
+    engine = zl.initialize(model, {**ADAM, "zero_optimization": {"stage": 1}})
+    x, y = synthetic_batch(model, 4)
+    engine.backward(loss_fn(engine(x), y))
+    with pytest.raises(RuntimeError, match="step\\(\\) after every"):
+        engine.backward(loss_fn(engine(x), y))

@@ -16,8 +16,8 @@ Gradient buckets (``reduce_bucket_size`` elements, whole units, last unit
 first) are reduced as soon as every parameter in them has its gradient, in
 bucket order on every rank, asynchronously when ``overlap_comm`` is on. A hook
 queued at the end of backward flushes buckets holding unused parameters and
-waits for what is in flight. Collectives *sum* gradients; the step divides
-by N (together with the loss-scale and clipping factors), so no extra pass.
+waits for what is in flight. Collectives *sum* gradients; the step multiplies
+by 1/N, 1/loss-scale and the clipping factor in one pass over the shard.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from ..measure import MemoryReport
 from ..network import get_link
 from .flat import FlatParams, group_units
 from .optim import ShardedOptimizer, clip_coefficient, make_scheduler, sum_of_squares
-from .precision import DynamicLossScaler, precision_of
+from .precision import DynamicLossScaler, local_overflow, precision_of
 
 
 def make_communicator(link=None) -> Communicator:
@@ -107,7 +107,7 @@ class Engine:
 
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._pending = []  # [(handle, finish or None, tensors kept alive until finished)]
-        self._in_backward, self._reducing, self._reduced = False, False, True
+        self._in_backward, self._reducing, self._reduced, self._reduced_unstepped = False, False, True, False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.flat.params()]
         self.events = [] if cfg.trace else None  # timeline: (event, bucket or -1, perf_counter seconds)
 
@@ -143,7 +143,11 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss / gradient_accumulation_steps (x the fp16 loss scale), then autograd."""
+        if self._reduced_unstepped:
+            raise RuntimeError("backward() was called twice at the accumulation boundary without step(): the "
+                               "gradients were already reduced. Call engine.step() after every engine.backward()")
         self._reducing = self.reduce_every_micro_step or self.is_gradient_accumulation_boundary()
+        self._reduced_unstepped = self._reducing and not self.reduce_every_micro_step
         self._left = list(self._bucket_params)
         self._ready = [False] * len(self.buckets)
         self._next_bucket, self._pending = 0, []
@@ -192,6 +196,7 @@ class Engine:
     def step(self) -> None:
         """Called every micro-batch; updates the parameters at the accumulation boundary."""
         self.micro_steps += 1
+        self._reduced_unstepped = False
         if self.micro_steps % self.gas:
             return
         self.event("step-start")
@@ -201,14 +206,14 @@ class Engine:
             self.skipped_steps += 1
             self.zero_grads()
             return
+        if self.precision.grad_dtype != torch.float32:
+            grads = [g.float() for g in grads]  # fp32 copy of the 16-bit shard: transient
         scale = 1.0 / (self.world_size * (self.scaler.scale if self.scaler else 1.0))  # sum -> mean, unscale
         if self.config.gradient_clipping > 0:
             sq = sum_of_squares(grads) * scale ** 2
             if self.shards_optimizer:
                 self.communicator.all_reduce(sq, tag="grad-norm")
             scale *= clip_coefficient(float(sq.sqrt()), self.config.gradient_clipping)
-        if self.precision.grad_dtype != torch.float32:
-            grads = [g.float() for g in grads]  # fp32 copy of the 16-bit shard: transient
         if scale != 1.0:
             torch._foreach_mul_(grads, scale)
         self.optimizer.step(grads, self.get_lr())
@@ -223,8 +228,7 @@ class Engine:
 
     def _overflow(self, grads) -> bool:
         """fp16: inf/nan anywhere in any rank's shard -> every rank skips (all-reduce MAX)."""
-        from .precision import local_overflow
-        flag = torch.tensor([1.0 if local_overflow(grads) else 0.0])
+        flag = torch.tensor([1.0 if local_overflow(grads) else 0.0], device=self.flat.device)
         self.communicator.all_reduce(flag, op="max", tag="overflow")
         return bool(flag.item())
 
