@@ -102,6 +102,67 @@ WRONG = {
             {"your shards equal the engine's FlatParams shards",
              "one all-gather rebuilds the parameters on 3 and 4 ranks"}),
     },
+    "04_zero1_step": {
+        "sum instead of mean (forgets to divide by N)": (
+            mutate("04_zero1_step", "zero1_step", ("    grad /= n ", "    pass ")),
+            {"the gradient shard is the mean over ranks"}),
+        "averaging twice": (
+            mutate("04_zero1_step", "zero1_step", ("comm.reduce_scatter(grad, flat_grads)",
+                                                   "comm.reduce_scatter(grad, flat_grads, op='avg')")),
+            {"the gradient shard is the mean over ranks"}),
+        "bias correction off by one step": (
+            mutate("04_zero1_step", "adam_shard_update", ("1 - b1 ** step", "1 - b1 ** (step + 1)")),
+            {"Adam on a shard matches torch.optim.Adam", "same parameters as zerolab's ZeRO-1 engine after 3 steps"}),
+        "eps inside the square root": (
+            mutate("04_zero1_step", "adam_shard_update", (".sqrt_().add_(eps)", ".add_(eps).sqrt_()")),
+            {"Adam on a shard matches torch.optim.Adam"}),
+        "forgets the all-gather": (
+            mutate("04_zero1_step", "zero1_step", ("comm.all_gather(flat_params, shard)",
+                                                   "flat_params[r * S:(r + 1) * S] = shard")),
+            {"same parameters as zerolab's ZeRO-1 engine after 3 steps",
+             "one reduce-scatter and one all-gather per step: an all-reduce's bytes"}),
+        "all-reduce instead of reduce-scatter": (
+            mutate("04_zero1_step", "zero1_step", ("comm.reduce_scatter(grad, flat_grads)",
+                                                   "comm.all_reduce(flat_grads); grad.copy_(flat_grads[r * S:(r + 1) * S])")),
+            {"one reduce-scatter and one all-gather per step: an all-reduce's bytes"}),
+    },
+    "05_zero2_grads": {
+        "closes a bucket when it reaches the size (>=)": (
+            mutate("05_zero2_grads", "assign_buckets", ("size + numels[i] > bucket_elems", "size + numels[i] >= bucket_elems")),
+            {"buckets as the engine makes them"}),
+        "reduces every bucket after backward": (
+            mutate("05_zero2_grads", "GradBucketer", ("        self.missing[b] -= 1\n        self._issue_ready()",
+                                                      "        self.missing[b] -= 1")),
+            {"buckets are reduce-scattered during backward"}),
+        "averaging twice": (
+            mutate("05_zero2_grads", "GradBucketer", ("self.comm.reduce_scatter(shard, full)",
+                                                      "self.comm.reduce_scatter(shard, full, op='avg')")),
+            {"the gradient shard is the mean over ranks"}),
+        "keeps the full gradients": (
+            mutate("05_zero2_grads", "GradBucketer", ("        p.grad = None\n", "")),
+            {"full gradients are freed; bytes as the ring says"}),
+        "no padding to a multiple of N": (
+            mutate("05_zero2_grads", "GradBucketer", ("self.sizes.append(-(-off // self.n) * self.n)",
+                                                      "self.sizes.append(off)")),
+            {"the gradient shard is the mean over ranks"}),
+    },
+    "06_zero3_prefetch": {
+        "< instead of <= in the prefetch budget": (
+            mutate("06_zero3_prefetch", "prefetch_schedule", ("ahead + numels[nxt] > prefetch_elems",
+                                                              "ahead + numels[nxt] >= prefetch_elems")),
+            {"the example from the rules", "valid and greedy under both budgets, forward and backward"}),
+        "ignores max_live_elems": (
+            mutate("06_zero3_prefetch", "prefetch_schedule", (" or sum(live.values()) + numels[nxt] > max_live_elems", "")),
+            {"valid and greedy under both budgets, forward and backward"}),
+        "counts the current unit as ahead": (
+            mutate("06_zero3_prefetch", "prefetch_schedule", ("order[k + 1:n_fetched]", "order[k:n_fetched]")),
+            {"the example from the rules", "valid and greedy under both budgets, forward and backward"}),
+        "releases before computing": (
+            mutate("06_zero3_prefetch", "prefetch_schedule", ('[("compute", u), ("release", u)]',
+                                                              '[("release", u), ("compute", u)]')),
+            {"the example from the rules", "valid and greedy under both budgets, forward and backward",
+             "2 ranks compute the model's output from shards"}),
+    },
     "07_choose_config": {
         "ignores activations": (
             mutate("07_choose_config", "choose_config", ("if memory + activation_bytes <= gpu_bytes:",
