@@ -124,3 +124,32 @@ def test_ledger_bytes_equal_comm_volume(n):
                 assert nb == 3  # small buckets: one unit each (rest + 2 blocks)
             else:
                 assert nb == 1
+
+
+def no_reduce_scatter_worker(stage):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = []
+    for rs in (True, False):
+        model = TinyGPT.preset("micro", seed=1)
+        engine = zl.initialize(model, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                       "gradient_accumulation_steps": 2,
+                                       "zero_optimization": {"stage": stage, "reduce_scatter": rs}})
+        engine.comm.reset()
+        for k in range(2):
+            x, y = synthetic_batch(model, 4 * n, seed=3, step=k, rank=rank, world_size=n)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+        out.append((engine.comm.by_op(), engine.full_state_dict(), engine.flat.padded))
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reduce_scatter_false_all_reduces_and_trains_the_same(stage):
+    n = 3
+    (rs, sd_rs, padded), (ar, sd_ar, _) = zl.launch(no_reduce_scatter_worker, world_size=n, args=(stage,),
+                                                    threads=1)[0]
+    rounds = 2 if stage == 2 else 1
+    assert rs["reduce_scatter"] == rounds * padded * 4 * (n - 1) // n
+    assert ar["all_reduce"] == rounds * 2 * padded * 4 * (n - 1) // n and "reduce_scatter" not in ar
+    for k in sd_rs:
+        torch.testing.assert_close(sd_ar[k], sd_rs[k], rtol=1e-5, atol=1e-6)

@@ -30,7 +30,10 @@ class Stage1Engine(Stage0Engine):
         return self.flat.own_view(buf, u)
 
     def reduce_bucket(self, i: int) -> None:
-        self.reduce_scatter_grads(i)
+        if self.config.zero.reduce_scatter:
+            self.reduce_scatter_grads(i)
+        else:  # DeepSpeed's "reduce_scatter": false: all-reduce (2x the bytes), keep the own slice
+            super().reduce_bucket(i)
 
     def reduce_scatter_grads(self, i: int) -> None:
         """Reduce-scatter bucket ``i``: rank r receives the sum of every rank's r-th shard

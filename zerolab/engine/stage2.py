@@ -54,7 +54,22 @@ class Stage2Engine(Stage1Engine):
         p.grad = None
 
     def reduce_bucket(self, i: int) -> None:
-        self.reduce_scatter_grads(i)
+        if self.config.zero.reduce_scatter:
+            self.reduce_scatter_grads(i)
+        else:
+            self.all_reduce_grads(i)
+
+    def all_reduce_grads(self, i: int) -> None:
+        """``"reduce_scatter": false``: all-reduce the bucket, then keep only this rank's shards."""
+        b = self.buckets[i]
+        staging, self._staging[i] = self._staging_buffer(i), None
+        h = self.communicator.all_reduce(staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
+
+        def finish():
+            for u in b:
+                start = u.offset - b[0].offset + self.rank * u.shard
+                self.flat.shard_view(self.grad_shard, u).add_(staging[start: start + u.shard])
+        self.track(h, finish, (staging,), i)
 
     def reduce_scatter_grads(self, i: int) -> None:
         """Reduce-scatter bucket ``i`` into this rank's gradient shard; free the bucket."""
