@@ -19,7 +19,9 @@ def world_table(result: dict, world: dict) -> str:
             f"gloo, 1 thread/rank, global batch {s['batch']}, {s['repeats']} interleaved rounds x {s['steps']} steps\n"
             f"config shared by ours and DeepSpeed: fp32, Adam, reduce/allgather_bucket_size "
             f"{s.get('bucket') or '5e8 (default)'}, overlap_comm "
-            f"{ {None: 'default (off for stages 0-2)', True: 'on', False: 'off'}[s.get('overlap_comm')] }")
+            + ("per row" if result["mode"] == "overlap" else
+               {None: "default (off for stages 0-2)", True: "on", False: "off"}[s.get("overlap_comm")])
+            + (f"; simulated link {s['link']} where named" if result["mode"] == "overlap" else ""))
     lines = [head, f"{'contender':<46}{'median ms':>10}{'IQR ms':>12}{'CPU ms':>8}{'held MB':>9}{'peak MB':>9}"
                    f"{'16Ψ/N MB':>9}{'sent/step MB':>13}{'max|Δp|':>9}"]
     for r in world["contenders"]:
