@@ -214,3 +214,14 @@ def test_plot_timeline_draws_one_box_per_event():
              for (x, w) in [(path.vertices[:, 0].min(), path.vertices[:, 0].max() - path.vertices[:, 0].min())]]
     assert sorted(boxes) == [(0.0, 10.0), (1.0, 10.0), (2.0, 2.0)]    # ms since the first event
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["all_gather", "forward"]
+
+
+def test_folded_captures_prints_into_a_details_block(capsys, monkeypatch):
+    import zerolab.widgets as w
+    shown = []
+    monkeypatch.setattr(w, "display", lambda obj, raw=False: shown.append(obj))
+    with w.folded("numbers for Q1"):
+        print("a < b")
+    assert capsys.readouterr().out == ""                  # nothing printed under the question
+    assert shown == [{"text/plain": "numbers for Q1:\na < b\n",
+                      "text/html": "<details><summary>numbers for Q1</summary><pre>a &lt; b\n</pre></details>"}]

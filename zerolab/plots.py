@@ -221,11 +221,15 @@ def ring_grid(state, sends=(), ax=None, title=None):
             text = "Σ" if k == n else "+".join(str(x) for x in sorted(state[r][c]))
             ax.text(c + 0.5, r + 0.5, text, ha="center", va="center",
                     fontsize=11 if k == n else 8, color="white" if k > n / 2 else "black")
+    from matplotlib.patches import Rectangle
     for src, dst, chunk in sends:
-        ax.annotate("", xy=(chunk + 0.5, dst + 0.5 - (0.3 if dst > src else -0.3)),
-                    xytext=(chunk + 0.5, src + 0.5 + (0.3 if dst > src else -0.3)),
-                    arrowprops=dict(arrowstyle="->", color="#C44E52", lw=2,
-                                    connectionstyle="arc3,rad=0.0" if dst > src else "arc3,rad=0.5"))
+        ax.add_patch(Rectangle((chunk + 0.06, src + 0.06), 0.88, 0.88, fill=False,
+                               edgecolor="#C44E52", linewidth=2.5))      # the chunk being sent
+        down = dst > src
+        ax.annotate("", xy=(chunk + 0.5, dst + (0.2 if down else 0.8)),
+                    xytext=(chunk + 0.5, src + (0.8 if down else 0.2)),
+                    arrowprops=dict(arrowstyle="-|>", color="#C44E52", lw=2, mutation_scale=18,
+                                    connectionstyle="arc3,rad=0.0" if down else "arc3,rad=0.45"))
     ax.set_xlim(0, n)
     ax.set_ylim(n, 0)
     ax.set_xticks([c + 0.5 for c in range(n)], [str(c) for c in range(n)])

@@ -10,6 +10,10 @@ without a browser. Pyplot is never used, so nothing leaks out of the output area
 """
 from __future__ import annotations
 
+import contextlib
+import html
+import io
+
 import ipywidgets as W
 from IPython.display import Image, display
 
@@ -249,7 +253,7 @@ class RingAllReduceStepper:
         self.sends = ring_sends(n, step) if step < 2 * (n - 1) else []
         phase = ("reduce-scatter" if step < n - 1 else "all-gather" if step < 2 * (n - 1)
                  else "done")
-        fig, ax = plots.new_axes(figsize=(5.5, 1.3 + 0.75 * n))
+        fig, ax = plots.new_axes(figsize=(6.5, 1.5 + 0.9 * n))
         title = (f"Ring all-reduce, N = {n}: {step} of {2 * (n - 1)} steps done"
                  f"\nnext: {phase}" if phase != "done" else
                  f"Ring all-reduce, N = {n}: all {2 * (n - 1)} steps done")
@@ -258,10 +262,30 @@ class RingAllReduceStepper:
         self.renders += 1
         display(Image(data=self.png, format="png"))
         sent = self.bytes_sent(n, step)
-        print(f"Each rank has sent {step} chunk(s) = {sent:,} of the tensor's {self.nbytes:,} bytes "
-              f"(an all-reduce ends at 2(N-1)/N x {self.nbytes:,} = "
-              f"{2 * (n - 1) * self.nbytes // n:,} bytes).")
+        print(f"Each rank has sent {step} chunk(s) = {sent:,} bytes; the whole all-reduce sends "
+              f"2(N-1)/N x {self.nbytes:,} = {2 * (n - 1) * self.nbytes // n:,} bytes per rank.")
+        if self.sends:
+            print("Next step (red): " + ", ".join(f"rank {s}->{d} chunk {c}" for s, d, c in self.sends))
 
     def render(self):
         self._draw(self.n.value, self.step.value)
         return self.figure
+
+
+# -- interview answers ---------------------------------------------------------
+
+@contextlib.contextmanager
+def folded(summary="numbers"):
+    """Show what the block prints folded under ``summary`` (a ``<details>`` element).
+
+    Chapters compute the numbers of interview answers with it, so running the
+    notebook does not print the answer under the question:
+    ``with folded("numbers for Q2"): print(...)``.
+    """
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        yield
+    text = buf.getvalue()
+    display({"text/plain": f"{summary}:\n{text}",
+             "text/html": f"<details><summary>{html.escape(summary)}</summary>"
+                          f"<pre>{html.escape(text)}</pre></details>"}, raw=True)
