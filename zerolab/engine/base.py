@@ -74,7 +74,8 @@ class Engine:
         self.gas = cfg.gradient_accumulation_steps
         self.overlap_comm = bool(cfg.zero.overlap_comm)
         device = next(model.parameters()).device
-        self.flat = FlatParams(model, self.world_size, self.rank, self.precision.compute_dtype, device)
+        self.flat = FlatParams(model, self.world_size, self.rank, self.precision.compute_dtype, device,
+                               persist_threshold=self.persist_threshold())
         for m in model.modules():  # buffers compute in the compute dtype too (as module.to(dtype))
             for k, b in m._buffers.items():
                 if b is not None and b.is_floating_point():
@@ -110,6 +111,10 @@ class Engine:
         self._in_backward, self._reducing, self._reduced, self._reduced_unstepped = False, False, True, False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.flat.params()]
         self.events = [] if cfg.trace else None  # timeline: (event, bucket or -1, perf_counter seconds)
+
+    def persist_threshold(self) -> int:
+        """Parameters of at most this many elements stay whole on every rank (stage 3; 0 = none)."""
+        return 0
 
     def event(self, name: str, index: int = -1) -> None:
         if self.events is not None:

@@ -69,7 +69,8 @@ def pad_to(n: int, world_size: int) -> int:
 class FlatParams:
     """The model's trainable parameters as views into one flat padded buffer."""
 
-    def __init__(self, model: nn.Module, world_size: int, rank: int, dtype: torch.dtype, device):
+    def __init__(self, model: nn.Module, world_size: int, rank: int, dtype: torch.dtype, device,
+                 persist_threshold: int = 0):
         self.world_size, self.rank, self.dtype, self.device = world_size, rank, dtype, device
         names = {id(p): n for n, p in model.named_parameters()}  # first name of each (tied) param
         seen: set = set()
@@ -82,6 +83,12 @@ class FlatParams:
             units.append(Unit(uname, ps))
         rest = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
         units.insert(0, Unit("rest", rest))  # used first in forward (embeddings) and last in backward
+        if persist_threshold > 0:  # stage 3: params of <= threshold elements stay whole, in a unit of their own
+            small = {id(p) for u in units for _, p in u.params if p.numel() <= persist_threshold}
+            kept = [(n, p) for u in units for n, p in u.params if id(p) in small]
+            for u in units:
+                u.params = [(n, p) for n, p in u.params if id(p) not in small]
+            units.insert(0, Unit("persistent", kept))
         self.units = [u for u in units if u.params]
         self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
 
