@@ -47,6 +47,9 @@ class Stage0Engine(Engine):
         p.grad = view if self._views_are_grads else None
 
     def reduce_bucket(self, i: int) -> None:
+        self.all_reduce_grads(i)
+
+    def all_reduce_grads(self, i: int) -> None:
         """All-reduce (sum) bucket ``i``: one contiguous slice of the flat gradients, in place."""
         b = self.buckets[i]
         start, end = b[0].offset, b[-1].offset + b[-1].padded

@@ -32,8 +32,8 @@ class Stage1Engine(Stage0Engine):
     def reduce_bucket(self, i: int) -> None:
         if self.config.zero.reduce_scatter:
             self.reduce_scatter_grads(i)
-        else:  # DeepSpeed's "reduce_scatter": false: all-reduce (2x the bytes), keep the own slice
-            super().reduce_bucket(i)
+        else:  # DeepSpeed's "reduce_scatter": false: all-reduce (2x the bytes); the own slice is in place
+            self.all_reduce_grads(i)
 
     def reduce_scatter_grads(self, i: int) -> None:
         """Reduce-scatter bucket ``i``: rank r receives the sum of every rank's r-th shard

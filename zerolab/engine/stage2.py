@@ -7,6 +7,12 @@ dropped; when the bucket is complete it is reduce-scattered straight into
 this rank's gradient shard and the staging buffer is freed. Between backward
 and step a rank holds gradients for Ψ/N elements only.
 
+The staging buffer is laid out *rank-major* — row r holds rank r's shard of
+every unit in the bucket — so the reduce-scatter needs no packing copy:
+
+    staging (N x ΣS):  row 0 = [u1 shard 0 | u2 shard 0]   -> rank 0
+                       row 1 = [u1 shard 1 | u2 shard 1]   -> rank 1
+
 The price: gradients cannot wait for the accumulation boundary (nobody keeps
 the full sum), so *every* micro-batch reduce-scatters; per step that is
 g reduce-scatters plus one all-gather, (g+1)/2 times stage 1's bytes.
@@ -18,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from .base import _nbytes
-from .flat import rank_major
 from .stage1 import Stage1Engine
 
 
@@ -31,57 +36,53 @@ class Stage2Engine(Stage1Engine):
         # gradient shard, grad dtype: padded Ψ / N elements (contiguous_gradients)
         self.grad_shard = torch.zeros(self.flat.shard_numel, dtype=self.precision.grad_dtype, device=self.flat.device)
         self._staging = [None] * len(self.buckets)  # per bucket: its full gradients, alive only during backward
-        self._slot = {}                              # id(p) -> (bucket, start in staging, numel)
+        self._pieces = {}                            # id(p) -> (bucket, [(src start, src end, dst start)])
         for i, b in enumerate(self.buckets):
+            row = sum(u.shard for u in b)            # ΣS: one rank's share of the bucket
+            col = 0
             for u in b:
                 for (_, p), off in zip(u.params, u.offsets):
-                    self._slot[id(p)] = (i, u.offset - b[0].offset + off, p.numel())
+                    self._pieces[id(p)] = (i, _split(off, p.numel(), u.shard, row, col))
+                col += u.shard
         for p in self.flat.params():
             p.grad = None
 
     def _staging_buffer(self, i: int) -> torch.Tensor:
         if self._staging[i] is None:
-            b = self.buckets[i]
-            # staging, grad dtype: the bucket's padded elements (zeros: padding and unused params)
-            self._staging[i] = torch.zeros(b[-1].offset + b[-1].padded - b[0].offset,
-                                           dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+            numel = self.world_size * sum(u.shard for u in self.buckets[i])
+            # staging, grad dtype: N x ΣS rank-major (zeros: padding and unused params)
+            self._staging[i] = torch.zeros(numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
         return self._staging[i]
 
     def keep_grad(self, p) -> None:
         """Move the fresh gradient into its bucket's staging buffer and drop ``p.grad``."""
-        i, start, n = self._slot[id(p)]
-        self._staging_buffer(i)[start: start + n].copy_(p.grad.view(-1))
+        i, pieces = self._pieces[id(p)]
+        staging, g = self._staging_buffer(i), p.grad.view(-1)
+        for a, b, d in pieces:
+            staging[d: d + b - a].copy_(g[a:b])
         p.grad = None
 
-    def reduce_bucket(self, i: int) -> None:
-        if self.config.zero.reduce_scatter:
-            self.reduce_scatter_grads(i)
-        else:
-            self.all_reduce_grads(i)
-
-    def all_reduce_grads(self, i: int) -> None:
-        """``"reduce_scatter": false``: all-reduce the bucket, then keep only this rank's shards."""
+    def _bucket_shard(self, i: int) -> torch.Tensor:
+        """This rank's gradient shard of bucket ``i``: contiguous in shard space, (ΣS,)."""
         b = self.buckets[i]
-        staging, self._staging[i] = self._staging_buffer(i), None
-        h = self.communicator.all_reduce(staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
-
-        def finish():
-            for u in b:
-                start = u.offset - b[0].offset + self.rank * u.shard
-                self.flat.shard_view(self.grad_shard, u).add_(staging[start: start + u.shard])
-        self.track(h, finish, (staging,), i)
+        return self.grad_shard[b[0].shard_offset: b[-1].shard_offset + b[-1].shard]
 
     def reduce_scatter_grads(self, i: int) -> None:
         """Reduce-scatter bucket ``i`` into this rank's gradient shard; free the bucket."""
-        b = self.buckets[i]
         staging, self._staging[i] = self._staging_buffer(i), None
-        units = [staging[u.offset - b[0].offset: u.offset - b[0].offset + u.padded] for u in b]
-        inp = rank_major(units, self.world_size)  # (N * ΣS,)
-        dest = self.grad_shard[b[0].shard_offset: b[-1].shard_offset + b[-1].shard]  # (ΣS,) contiguous
+        dest = self._bucket_shard(i)
         first = self.micro_steps % self.gas == 0  # first micro-batch of the step: the shard is zero
         out = dest if first else torch.empty_like(dest)
-        h = self.communicator.reduce_scatter(out, inp, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
-        self.track(h, None if first else (lambda: dest.add_(out)), (staging, inp) if first else (staging, inp, out), i)
+        h = self.communicator.reduce_scatter(out, staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
+        self.track(h, None if first else (lambda: dest.add_(out)), (staging,) if first else (staging, out), i)
+
+    def all_reduce_grads(self, i: int) -> None:
+        """``"reduce_scatter": false``: all-reduce the bucket (2x the bytes), keep this rank's row."""
+        staging, self._staging[i] = self._staging_buffer(i), None
+        dest = self._bucket_shard(i)
+        h = self.communicator.all_reduce(staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
+        mine = staging[self.rank * dest.numel(): (self.rank + 1) * dest.numel()]
+        self.track(h, lambda: dest.add_(mine), (staging,), i)
 
     def owned_grads(self) -> list[torch.Tensor]:
         return [self.flat.shard_view(self.grad_shard, u) for u in self.flat.units]
@@ -96,3 +97,20 @@ class Stage2Engine(Stage1Engine):
         storages = {t.untyped_storage().data_ptr(): _nbytes(t) for _, _, keep, _ in self._pending for t in keep}
         storages.update({s.untyped_storage().data_ptr(): _nbytes(s) for s in self._staging if s is not None})
         return sum(storages.values())
+
+
+def _split(off: int, numel: int, shard: int, row: int, col: int) -> list[tuple[int, int, int]]:
+    """Where a parameter at unit offset ``off`` lands in a rank-major bucket: pieces
+    (start, end) of the flattened parameter -> start in the staging buffer."""
+    pieces, a = [], 0
+    while a < numel:
+        e = off + a                      # element of the unit
+        r, c = divmod(e, shard)          # its rank row and column within the unit's shard
+        b = min(numel, a + shard - c)    # up to the end of that shard
+        d = r * row + col + c
+        if pieces and pieces[-1][2] + pieces[-1][1] - pieces[-1][0] == d:
+            pieces[-1] = (pieces[-1][0], b, pieces[-1][2])  # contiguous in the staging buffer: merge
+        else:
+            pieces.append((a, b, d))
+        a = b
+    return pieces
