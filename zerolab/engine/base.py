@@ -89,20 +89,7 @@ class Engine:
         self._bucket_params = [sum(len(u.params) for u in b) for b in self.buckets]
 
         self.build_grads()
-        # the update targets, one fp32 tensor per unit: the rank's own params (fp32) or its master copy
-        owned_numel = sum(self.own(self.flat.flat, u).numel() for u in units)
-        if self.precision.has_master:
-            self.master = torch.empty(owned_numel, dtype=torch.float32, device=device)  # fp32 master: owned numel
-            self.targets, off = [], 0
-            for u in units:
-                own = self.own(self.flat.flat, u)
-                self.targets.append(self.master[off: off + own.numel()])
-                self.targets[-1].copy_(own)
-                off += own.numel()
-        else:
-            self.master = None
-            self.targets = [self.own(self.flat.flat, u) for u in units]
-        self.optimizer = ShardedOptimizer(cfg.optimizer.type, cfg.optimizer.params, self.targets)
+        self.build_optimizer()
         self.scheduler = make_scheduler(cfg.scheduler)
         self.scaler = DynamicLossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
 
@@ -115,6 +102,24 @@ class Engine:
     def persist_threshold(self) -> int:
         """Parameters of at most this many elements stay whole on every rank (stage 3; 0 = none)."""
         return 0
+
+    def build_optimizer(self) -> None:
+        """The update targets, one fp32 tensor per unit (the rank's own params in fp32, else its
+        fp32 master copy), and the optimizer state over them (offload replaces this)."""
+        units, device = self.flat.units, self.flat.device
+        owned_numel = sum(self.own(self.flat.flat, u).numel() for u in units)
+        if self.precision.has_master:
+            self.master = torch.empty(owned_numel, dtype=torch.float32, device=device)  # fp32 master: owned numel
+            self.targets, off = [], 0
+            for u in units:
+                own = self.own(self.flat.flat, u)
+                self.targets.append(self.master[off: off + own.numel()])
+                self.targets[-1].copy_(own)
+                off += own.numel()
+        else:
+            self.master = None
+            self.targets = [self.own(self.flat.flat, u) for u in units]
+        self.optimizer = ShardedOptimizer(self.config.optimizer.type, self.config.optimizer.params, self.targets)
 
     def event(self, name: str, index: int = -1) -> None:
         if self.events is not None:
