@@ -122,9 +122,10 @@ def test_grade_passes_every_solution():
 
 @pytest.mark.slow
 def test_grade_fails_stubs_even_with_the_solutions_outputs(tmp_path):
-    """(Untouched stubs: test_exercises grades each in its one kernel.)"""
+    """Pasting the solution's outputs into a stub passes nothing: outputs never reach the graded run.
+    (Every untouched stub, and every stub in this test, also fails in test_exercises' one-kernel runs.)"""
     paths = []
-    for n in NAMES:
+    for n in (NAMES[0], NAMES[3], NAMES[-1]):   # one kernel each under nbval: three keep the suite fast
         sol = ex.read(ex.solution_path(n))
         stub = ex.stub_notebook(sol)
         dressed = copy.deepcopy(stub)           # the solution's outputs pasted into every cell
