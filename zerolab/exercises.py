@@ -21,6 +21,8 @@ editable install, ``pip install -e .``, which is how ``make`` installs it).
     python -m zerolab exercises --copy DIR      copy the stubs to DIR (outside the repo)
     python -m zerolab exercises --reset NAME [--dir DIR]
                                                 restore one stub; the old file is kept as NAME.ipynb.bak
+    python -m zerolab exercises --sync [NAME]   (maintainers) after editing a solution: re-run it,
+                                                store its outputs, rewrite the stub from it
 """
 from __future__ import annotations
 
@@ -135,3 +137,15 @@ def reset(name: str, directory=None) -> tuple[Path, Path | None]:
     target.parent.mkdir(parents=True, exist_ok=True)
     write(stub_notebook(read(solution_path(stem))), target)
     return target, backup
+
+
+def sync(name: str, timeout: int = 300) -> None:
+    """Maintainers: execute solutions/NAME.ipynb in place (its check outputs become the expected
+    ones) and rewrite exercises/NAME.ipynb from it. Raises if any cell fails."""
+    from nbclient import NotebookClient
+    path = solution_path(name)
+    nb = read(path)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    write(nb, path)
+    write(stub_notebook(nb), exercises_dir() / f"{resolve_name(name)}.ipynb")

@@ -265,6 +265,8 @@ def add_exercises_args(p):
     g = p.add_mutually_exclusive_group()
     g.add_argument("--copy", metavar="DIR", help="copy every exercise stub to DIR (existing files are kept)")
     g.add_argument("--reset", metavar="NAME", help="restore exercise NAME; your file is kept as NAME.ipynb.bak")
+    g.add_argument("--sync", metavar="NAME", nargs="?", const="all",
+                   help="(maintainers) re-run solutions/NAME (or all) and rewrite the stub from it")
     p.add_argument("--dir", default=None, help="with --reset: the folder holding your copy (default: exercises/)")
 
 
@@ -278,6 +280,11 @@ def cmd_exercises(args) -> int:
     if args.reset:
         target, backup = ex.reset(args.reset, args.dir)
         print(f"restored {target}" + (f"; your previous file is {backup}" if backup else ""))
+        return 0
+    if args.sync:
+        for name in ex.names() if args.sync == "all" else [args.sync]:
+            ex.sync(name)
+            print(f"synced {ex.resolve_name(name)}: solution re-run, stub rewritten")
         return 0
     for name in ex.names():
         print(f"{name:<24} exercises/{name}.ipynb")
