@@ -52,8 +52,12 @@ def text(result: dict) -> str:
     return "\n".join(parts)
 
 
+SHORT = {"ddp": "DDP", "zero_redundancy": "ZeroRedundancy-\nOptimizer", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed"}
+
+
 def plot(result: dict, path: str) -> str | None:
-    """Bar chart: ours/peer ratios (compare) or overlap speed-ups, one group per world size."""
+    """Bar chart: ours/peer ratios (compare; wall time solid, CPU time hatched) or overlap
+    speed-ups, one colour per world size."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -61,25 +65,29 @@ def plot(result: dict, path: str) -> str | None:
     bars = [(w["world_size"], q) for w in result["runs"] for q in w.get(key, [])]
     if not bars:
         return None
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(bars) + 2), 4))
-    names, values, colors = [], [], []
-    for n, q in bars:
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(bars) + 2), 4))
+    sizes = sorted({n for n, _ in bars})
+    for i, (n, q) in enumerate(bars):
+        color = f"C{sizes.index(n)}"
+        label = f"N = {n}" if all(m != n for m, _ in bars[:i]) else None
         if key == "ratios":
-            names.append(f"N={n}\nZ{q['stage']} vs\n{q['peer'].replace('DeepSpeed', 'DS').split(' ')[0]}"
-                         + (f" Z{q['stage']}" if "DeepSpeed" in q["peer"] else ""))
-            values.append(q["ratio"])
+            ax.bar(i - 0.2, q["ratio"], 0.4, color=color, label=label)
+            ax.bar(i + 0.2, q["cpu_ratio"], 0.4, color=color, alpha=0.45, hatch="//")
         else:
-            names.append(f"N={n}\nstage {q['stage']}\n{q['link']}")
-            values.append(q["speedup"])
-        colors.append(f"C{n // 2 - 1}")
-    ax.bar(range(len(values)), values, color=colors)
+            ax.bar(i, q["speedup"], 0.6, color=color, label=label)
+    if key == "ratios":
+        names = [f"stage {q['stage']}\nvs {SHORT[q['peer_key'].split('-')[0]]}" for _, q in bars]
+        ylabel = "ours / peer step time\n(solid: wall median, hatched: CPU)"
+    else:
+        names = [f"stage {q['stage']}\n{q['link']}" for _, q in bars]
+        ylabel = "serial / overlapped step time"
     ax.axhline(1.0, color="k", lw=1, ls="--")
-    ax.set_xticks(range(len(values)), names, fontsize=7)
-    ylabel = "serial / overlapped step time" if key == "speedups" else "ours / peer median step time"
+    ax.set_xticks(range(len(bars)), names, fontsize=7)
     ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
     s = result["settings"]
     ax.set_title(f"zerolab bench ({s['model']} TinyGPT, gloo, 1 thread/rank)"
-                 + (f", link {s['link']}" if key == "speedups" else ""), fontsize=9)
+                 + (f", link {s['link']}" if key == "speedups" else ", no simulated link"), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
