@@ -111,11 +111,21 @@ def test_overlap_specs_and_speedups():
         "ours-0-serial-loopback", "ours-0-overlap-loopback", "ours-0-serial-demo", "ours-0-overlap-demo"]
     assert all(s.cfg["zero_optimization"]["reduce_bucket_size"] == 1000 for s in specs)
     assert specs[3].cfg["zerolab"] == {"link": "demo"} and "zerolab" not in specs[1].cfg
+    assert "stage3_prefetch_bucket_size" not in specs[1].cfg["zero_optimization"]
     world = {"contenders": [dict(key=s.key, stage=s.stage, link=s.cfg.get("zerolab", {}).get("link"),
                                  median_ms=10.0 if "serial" in s.key else 8.0) for s in specs]}
     ups = bench.speedups(world)
     assert len(ups) == 4 and all(u["speedup"] == pytest.approx(1.25) for u in ups)
     assert {u["link"] for u in ups} == {"loopback", "demo"}
+
+
+def test_overlap_specs_stage3_toggle_prefetch(monkeypatch):
+    monkeypatch.setattr(bp, "ours_available", lambda stage: True)
+    specs, _ = bench.overlap_specs([3], 2, 8, bucket=1000, link="demo")
+    zero = {s.key: s.cfg["zero_optimization"] for s in specs}
+    assert zero["ours-3-serial-loopback"]["stage3_prefetch_bucket_size"] == 0
+    assert zero["ours-3-overlap-demo"]["stage3_prefetch_bucket_size"] == 1000
+    assert zero["ours-3-overlap-demo"]["overlap_comm"] is True
 
 
 def test_cli_arguments(capsys):

@@ -18,9 +18,10 @@ by default) is never touched on CPU and does not count. Bytes per step: our ledg
 After the last step every contender's full parameters are compared with the
 first contender's (max abs difference): all of them do the same maths.
 
-``--overlap`` times only our engine: ``overlap_comm`` off and on, on raw
-loopback and on a simulated link (``--link``, default "demo"), with buckets
-small enough (``--bucket``, default Ψ/4) that there is something to overlap.
+``--overlap`` times only our engine: ``overlap_comm`` off and on (stage 3:
+prefetch and overlap off and on), on raw loopback and on a simulated link
+(``--link``, default "demo"), with buckets small enough (``--bucket``,
+default Ψ/4) that there is something to overlap.
 """
 from __future__ import annotations
 
@@ -84,9 +85,14 @@ def overlap_specs(stages, world_size: int, batch: int, bucket: int, link: str) -
             continue
         for where in (None, link):
             for overlap in (False, True):
-                cfg = bp.ds_config(s, micro, overlap_comm=overlap, bucket=bucket, link=where)
+                if s == 3:  # stage 3's overlap is prefetch: the next unit's all-gather in flight
+                    knobs, what = dict(overlap_comm=overlap, stage3_prefetch_bucket_size=bucket if overlap else 0), \
+                        "prefetch + overlap_comm"
+                else:
+                    knobs, what = dict(overlap_comm=overlap), "overlap_comm"
+                cfg = bp.ds_config(s, micro, bucket=bucket, link=where, **knobs)
                 key = f"ours-{s}-{'overlap' if overlap else 'serial'}-{where or 'loopback'}"
-                extra = f", overlap_comm {'on' if overlap else 'off'}, {where or 'loopback'}"
+                extra = f", {what} {'on' if overlap else 'off'}, {where or 'loopback'}"
                 specs.append(Spec(key, "ours", s, bp.label("ours", s, extra), cfg))
     return specs, notes
 

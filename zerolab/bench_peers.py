@@ -36,9 +36,10 @@ BENCH_MODELS = ("tiny", "small")  # TinyGPT presets: ~0.3M and ~3.7M parameters
 
 
 def ds_config(stage: int, micro_batch: int, lr: float = LR, overlap_comm=None, bucket: int | None = None,
-              link: str | None = None) -> dict:
-    """One DeepSpeed JSON config for ours and DeepSpeed: plain Adam, fp32, one micro-batch per step."""
-    zero = {"stage": stage}
+              link: str | None = None, **zero_extra) -> dict:
+    """One DeepSpeed JSON config for ours and DeepSpeed: plain Adam, fp32, one micro-batch per step.
+    ``zero_extra``: more zero_optimization keys (e.g. stage3_prefetch_bucket_size=0)."""
+    zero = {"stage": stage, **zero_extra}
     if overlap_comm is not None:
         zero["overlap_comm"] = overlap_comm
     if bucket is not None:
