@@ -4,7 +4,8 @@ One file per idea: ``flat`` (the flat, padded per-unit buffers every stage
 shares), ``precision`` (dtypes and the fp16 loss scaler), ``optim`` (the
 optimizer over a flat shard, clipping, schedules), ``base`` (the training
 loop), then ``stage0`` (DDP), ``stage1`` (+ optimizer-state partitioning) and
-``stage2`` (+ gradient partitioning).
+``stage2`` (+ gradient partitioning) and ``stage3`` (+ parameter partitioning,
+with ``prefetch``'s unit trace).
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from .optim import ShardedOptimizer, make_scheduler
 from .stage0 import Stage0Engine
 from .stage1 import Stage1Engine
 from .stage2 import Stage2Engine
+from .stage3 import Stage3Engine
 
-__all__ = ["initialize", "gathered_parameters", "Engine", "Stage0Engine", "Stage1Engine", "Stage2Engine"]
+__all__ = ["initialize", "gathered_parameters", "Engine", "Stage0Engine", "Stage1Engine", "Stage2Engine", "Stage3Engine"]
 
-ENGINES = {0: Stage0Engine, 1: Stage1Engine, 2: Stage2Engine}
+ENGINES = {0: Stage0Engine, 1: Stage1Engine, 2: Stage2Engine, 3: Stage3Engine}
 
 
 def initialize(model: nn.Module, config, link=None) -> Engine:
@@ -80,9 +82,26 @@ def _check_supported(model: nn.Module, cfg) -> None:
 
 @contextmanager
 def gathered_parameters(engine: Engine, modules_or_params=None, modifier_rank=None):
-    """Make full parameters readable inside the block (chapter 6).
+    """Make full parameters readable inside the block (chapter 6); collective: every rank enters.
 
-    Stages 0-2 keep every parameter whole on every rank, so this is a no-op
-    there; stage 3 gathers the shards (issue 5).
+    ``modules_or_params``: a module, a parameter or a list of them (None: the
+    whole model). Stage 3 all-gathers the units holding them and releases them
+    on exit; with ``modifier_rank=r``, rank r's in-place edits are broadcast and
+    re-partitioned (its shard, and the fp32 master where an element changed).
+    Stages 0-2 keep every parameter whole on every rank: a no-op there.
     """
-    yield
+    if not hasattr(engine, "gathered"):
+        yield
+        return
+    with engine.gathered(_params_of(engine, modules_or_params), modifier_rank):
+        yield
+
+
+def _params_of(engine, x) -> list:
+    if x is None:
+        return list(engine.module.parameters())
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, nn.Module):
+        return list(x.parameters())
+    return [p for item in x for p in _params_of(engine, item)]

@@ -1,0 +1,322 @@
+"""Stage 3: ZeRO-3, parameter partitioning (chapter 6).
+
+Stage 2 plus one idea: a rank only ever *updates* its shard of the
+parameters, so between uses it need not keep the rest. Each rank keeps
+``param_shard`` (padded Ψ / N elements, shard space); a unit (a transformer
+block; "rest" for embeddings, final norm and head) is made whole only while
+it computes:
+
+    forward pre-hook     gather_params(unit)      all-gather its shards into a (padded_u,) buffer
+                         prefetch()               start the next units' all-gathers (async)
+    forward post-hook    release_params(unit)     params -> empty tensors, buffer storage -> 0 bytes
+    backward pre-hook    gather_params(unit)      again: backward needs the weights too
+    last grad of unit    release_params(unit)     and stage 2's reduce_scatter_grads(bucket)
+    step                 update the shard in place; nothing to all-gather afterwards
+
+Per micro-step a rank sends 3·Ψ(N-1)/N elements (forward gather, backward
+gather, reduce-scatter): 1.5x DDP, for 16Ψ/N bytes of model state.
+
+Released buffers keep their identity (``untyped_storage().resize_(0)``, as
+FSDP does), so tensors autograd saved in forward (e.g. ``weight.t()``) see the
+re-gathered values in backward and never pin the memory. Knobs (DeepSpeed's
+names): ``stage3_param_persistence_threshold`` (parameters this small stay
+whole, in a unit of their own, all-gathered after the step like stage 2),
+``stage3_prefetch_bucket_size`` (elements gathered ahead; 0 = no prefetch),
+``stage3_max_live_parameters`` (gathered elements allowed at once; a unit
+being computed is always gathered) and ``stage3_max_reuse_distance`` (keep a
+unit that is used again within this many elements). The order units run in
+comes from ``prefetch.UnitTrace``. ``{"zerolab": {"debug": true}}`` makes a
+released parameter raise an explanatory error when touched.
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .base import _nbytes
+from .prefetch import UnitTrace
+from .stage2 import Stage2Engine
+
+
+class Stage3Engine(Stage2Engine):
+    stage = 3
+
+    def persist_threshold(self) -> int:
+        return self.config.zero.stage3_param_persistence_threshold
+
+    def own(self, buf: torch.Tensor, u) -> torch.Tensor:
+        """This rank's shard of unit ``u``: in a full-size buffer (at initialize) or in shard space
+        (the parameters, afterwards: stage 3 keeps no full-size parameter buffer)."""
+        if buf.numel() == self.flat.shard_numel:
+            return self.flat.shard_view(buf, u)
+        return self.flat.own_view(buf, u)
+
+    def __init__(self, model: nn.Module, cfg, communicator=None):
+        super().__init__(model, cfg, communicator)  # stage 2 on the full flat buffer, then partition it:
+        flat, z, units = self.flat, cfg.zero, self.flat.units
+        full = flat.flat
+        # the rank's parameters, compute dtype: padded Ψ / N elements (its shard of every unit)
+        self.param_shard = torch.cat([flat.own_view(full, u) for u in units])
+        if self.master is None:  # fp32: the shard is the optimizer's update target itself
+            self.targets = [flat.shard_view(self.param_shard, u) for u in units]
+            self.optimizer.targets = self.targets
+        # per unit, compute dtype: (padded_u,) full buffer; 0 bytes of storage while released
+        self._full = [flat.unit_view(full, u).clone() for u in units]
+        self._views = [[(p, self._full[i][off: off + p.numel()].view(p.shape))
+                        for (_, p), off in zip(u.params, u.offsets)] for i, u in enumerate(units)]
+        for i, u in enumerate(units):
+            for (name, p), (_, v) in zip(u.params, self._views[i]):
+                p.data, p._zl_name, p._zl_class = v, name, type(p)
+        flat.flat = self.param_shard  # the full flat buffer is gone
+        del full
+
+        self.persistent = {i for i, u in enumerate(units) if u.name == "persistent"}
+        self._unit_of = {id(p): i for i, u in enumerate(units) for _, p in u.params}
+        self._n_params = [len(u.params) for u in units]
+        self._grads_left = list(self._n_params)
+        self.trace = UnitTrace({i: u.padded for i, u in enumerate(units)})
+        self.prefetch_elements = z.stage3_prefetch_bucket_size
+        self.max_live, self.max_reuse = z.stage3_max_live_parameters, z.stage3_max_reuse_distance
+        self.debug = cfg.debug
+        self._empty = torch.empty(0, dtype=self.param_shard.dtype, device=self.param_shard.device)
+        self._gathered, self._inflight, self._ahead = set(), {}, set()
+        self._tracing = False
+        self.live_elements = 0   # elements of gathered or in-flight units (not persistent)
+        for i in range(len(units)):
+            if i not in self.persistent:
+                self._gathered.add(i)
+                self.live_elements += units[i].padded
+                self.release_params(i)
+        self.peak_live_elements = 0
+        if self.events is not None:
+            self.events.clear()
+
+        # hooks: the root module holds "rest"; each block its unit (plus units of tied params it uses)
+        self._root_units = [i for i, u in enumerate(units) if u.name == "rest"]
+        self._module_hooks = self._hook(model, self._root_units, root=True)
+        for i, u in enumerate(units):
+            if u.name not in ("rest", "persistent"):
+                m = model.get_submodule(u.name)
+                deps = sorted({self._unit_of[id(p)] for p in m.parameters() if id(p) in self._unit_of}
+                              - self.persistent)
+                self._module_hooks += self._hook(m, deps, root=False)
+
+    # ---------------------------------------------------------------- gather, release, prefetch
+    def gather_params(self, units) -> None:
+        """Make ``units`` whole: issue their all-gathers (unless prefetched), then wait for them."""
+        for i in units:
+            if i not in self._gathered and i not in self._inflight:
+                self._issue(i)
+        for i in units:
+            if i in self._inflight:
+                self._complete(i)
+
+    def _issue(self, i: int) -> None:
+        u, buf = self.flat.units[i], self._full[i]
+        buf.untyped_storage().resize_(u.padded * buf.element_size())  # (padded_u,) allocated again
+        self.live_elements += u.padded
+        self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
+        self.event("gather-issued", i)
+        self._inflight[i] = self.communicator.all_gather(buf, self.flat.shard_view(self.param_shard, u),
+                                                         async_op=True, tag=f"unit-{i}")
+
+    def _complete(self, i: int) -> None:
+        self._inflight.pop(i).wait()
+        for p, v in self._views[i]:
+            if self.debug:
+                p.__class__ = p._zl_class
+            p.data = v
+        self._gathered.add(i)
+        self.event("gather-done", i)
+
+    def release_params(self, i: int) -> None:
+        """Free unit ``i``: its params become empty tensors and its buffer's storage 0 bytes."""
+        if i in self._inflight:
+            self._complete(i)   # a collective writing into the buffer must finish first
+        if i not in self._gathered:
+            return
+        for p, _ in self._views[i]:
+            p.data = self._empty
+            if self.debug:
+                p.__class__ = ReleasedParameter
+        self._full[i].untyped_storage().resize_(0)
+        self._gathered.discard(i)
+        self._ahead.discard(i)
+        self.live_elements -= self.flat.units[i].padded
+        self.event("release", i)
+
+    def prefetch(self) -> None:
+        """All-gather the next units of the recorded order asynchronously, greedily and in
+        order, while the elements gathered ahead stay within ``stage3_prefetch_bucket_size``
+        and all gathered elements within ``stage3_max_live_parameters``."""
+        if not self.prefetch_elements:
+            return
+        ahead = sum(self.flat.units[i].padded for i in self._ahead)
+        for i in self.trace.upcoming():
+            if i in self._gathered or i in self._inflight:
+                continue
+            n = self.flat.units[i].padded
+            if ahead + n > self.prefetch_elements or self.live_elements + n > self.max_live:
+                break
+            self._issue(i)
+            self._ahead.add(i)
+            ahead += n
+
+    def _done_with(self, i: int) -> None:
+        """After a use: keep the unit if it is needed again soon (and fits), else release it."""
+        if self.trace.reuse_distance(i) >= self.max_reuse or self.live_elements > self.max_live:
+            self.release_params(i)
+
+    def _use(self, units) -> None:
+        if self._tracing:
+            for i in units:
+                self.trace.use(i)
+                self._ahead.discard(i)
+        self.gather_params(units)
+        if self._tracing:
+            self.prefetch()
+
+    def _release_all(self) -> None:
+        for i in list(self._inflight) + list(self._gathered):
+            if i not in self.persistent:
+                self.release_params(i)
+
+    # ---------------------------------------------------------------- hooks
+    def _hook(self, module: nn.Module, units: list, root: bool) -> list:
+        index = units[0] if units and not root else -1
+
+        def pre_forward(_, args):
+            if root:
+                self._release_all()   # anything left by a forward that had no backward
+                self._tracing = torch.is_grad_enabled()
+                if self._tracing:
+                    self.trace.start()
+                    self._grads_left = list(self._n_params)
+            self.event("forward-start" if root else "unit-fwd-start", index)
+            self._use(units)
+
+        def post_forward(_, args, output):
+            self.event("forward-end" if root else "unit-fwd-end", index)
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            if tensors and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
+            if root and not self._tracing:
+                self._release_all()
+            for i in units:
+                if root or i not in self._root_units:
+                    self._done_with(i)
+
+        def pre_backward(_grad):
+            if not root:
+                self.event("unit-bwd-start", index)
+            self._use(units)
+
+        return [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward)]
+
+    def keep_grad(self, p) -> None:
+        """Stage 2's gradient handling; a unit whose gradients are all in is released."""
+        super().keep_grad(p)
+        i = self._unit_of[id(p)]
+        self._grads_left[i] -= 1
+        if self._grads_left[i] == 0 and i not in self.persistent:
+            self.event("unit-bwd-end", i)
+            self.release_params(i)
+
+    def _end_of_backward(self) -> None:
+        super()._end_of_backward()
+        self._release_all()
+        if self._tracing and self.trace.finish():
+            warnings.warn(f"zerolab ZeRO-3: the order units ran in changed ({self.trace.mismatch}); "
+                          f"prefetch stopped at the change and the new order was recorded for the next "
+                          f"step (results are unaffected; every rank must still run the same units)",
+                          stacklevel=2)
+        self._tracing = False
+
+    def after_update(self) -> None:
+        """Each rank updated its own shard, which is all it keeps: no all-gather, except for the
+        persistent unit (small params kept whole), as in stage 2."""
+        for i in self.persistent:
+            u = self.flat.units[i]
+            self.communicator.all_gather(self._full[i], self.flat.shard_view(self.param_shard, u),
+                                         tag="persistent-params")
+
+    # ---------------------------------------------------------------- outside forward
+    @contextmanager
+    def gathered(self, params, modifier_rank=None):
+        """Full ``params`` inside the block (collective: every rank must enter). With
+        ``modifier_rank=r``, rank r's in-place edits are broadcast and re-partitioned on exit."""
+        units = sorted({self._unit_of[id(p)] for p in params if id(p) in self._unit_of})
+        fetched = [i for i in units if i not in self._gathered and i not in self.persistent]
+        self.gather_params(fetched)
+        try:
+            yield
+            if modifier_rank is not None:
+                self._repartition(units, modifier_rank)
+        finally:
+            for i in fetched:
+                self.release_params(i)
+
+    @torch.no_grad()
+    def _repartition(self, units, src: int) -> None:
+        for i in units:
+            u = self.flat.units[i]
+            self.communicator.broadcast(self._full[i], src=src, tag="modified-params")
+            new = self._full[i][self.rank * u.shard: (self.rank + 1) * u.shard]   # (S,) the edited shard
+            shard = self.flat.shard_view(self.param_shard, u)
+            changed = shard != new
+            shard.copy_(new)
+            if self.master is not None:   # fp32 master: only the edited elements take the 16-bit value
+                self.targets[i][changed] = new[changed].float()
+
+    def full_state_dict(self) -> dict:
+        """Collective: consolidated fp32 parameters (the units are gathered for their shapes)."""
+        with self.gathered(self.flat.params()):
+            return super().full_state_dict()
+
+    # ---------------------------------------------------------------- inspection
+    def memory(self):
+        """Stage 2's report; params add the persistent unit, buffers the gathered units."""
+        r = super().memory()
+        r.params += sum(_nbytes(self._full[i]) for i in self.persistent)
+        r.buffers += sum(_nbytes(b) for i, b in enumerate(self._full) if i not in self.persistent)
+        return r
+
+    def close(self) -> None:
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+        super().close()
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+_HARMLESS = {"__get__", "__set__", "__delete__", "numel", "dim", "size", "__len__"}
+
+
+class ReleasedParameter(nn.Parameter):
+    """A released parameter under ``{"zerolab": {"debug": true}}``: any use raises."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") not in _HARMLESS:
+            for a in list(args) + list((kwargs or {}).values()):
+                if isinstance(a, ReleasedParameter):
+                    raise RuntimeError(
+                        f"ZeRO-3 released parameter {a._zl_name!r}: outside its unit's forward and backward "
+                        f"this rank keeps only a 1/N shard of it, and the parameter itself is an empty "
+                        f"tensor. To read it, wrap the code in `with zl.gathered_parameters(engine, module):`;"
+                        f" to change it, edit in place inside `with zl.gathered_parameters(engine, module, "
+                        f"modifier_rank=0):` (rank 0's edit is kept). (Raised because zerolab.debug is on.)")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
