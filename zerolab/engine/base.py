@@ -216,17 +216,13 @@ class Engine:
             self.skipped_steps += 1
             self.zero_grads()
             return
-        if self.precision.grad_dtype != torch.float32:
-            grads = [g.float() for g in grads]  # fp32 copy of the 16-bit shard: transient
         scale = 1.0 / (self.world_size * (self.scaler.scale if self.scaler else 1.0))  # sum -> mean, unscale
         if self.config.gradient_clipping > 0:
             sq = sum_of_squares(grads) * scale ** 2
             if self.shards_optimizer:
                 self.communicator.all_reduce(sq, tag="grad-norm")
             scale *= clip_coefficient(float(sq.sqrt()), self.config.gradient_clipping)
-        if scale != 1.0:
-            torch._foreach_mul_(grads, scale)
-        self.optimizer.step(grads, self.get_lr())
+        self.optimizer.step(grads, self.get_lr(), scale)
         if self.master is not None:
             torch._foreach_copy_([self.own(self.flat.flat, u) for u in self.flat.units], self.targets)
         self.after_update()

@@ -1,8 +1,10 @@
 """The optimizer over this rank's flat fp32 shard, gradient clipping and LR schedules (chapters 3-4).
 
 ``ShardedOptimizer`` updates a list of fp32 tensors (one per unit: the rank's
-shard in stages 1-3, the whole unit in stage 0) with ``torch._foreach_*`` ops,
-so a step is a handful of vectorised kernels, not a loop over parameters. Its
+shard in stages 1-3, the whole unit in stage 0) with flat tensor ops, unit by
+unit — a handful of vectorised kernels per unit, never a loop over parameters,
+and no temporary larger than one unit (what a full-shard ``foreach`` would
+allocate for sqrt(v) is Ψ/N x 4 bytes on top of the estimate). Its
 state (Adam's m and v, SGD's momentum) is allocated at construction in
 contiguous shard-space buffers, so ``engine.memory()`` is complete before the
 first step. The maths is torch.optim's, term for term:
@@ -75,51 +77,51 @@ class ShardedOptimizer:
         return sum(s.numel() * s.element_size() for s in self.state)
 
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor], lr: float) -> None:
-        """One update of ``self.targets`` with fp32 ``grads`` (same shapes; may be modified)."""
+    def step(self, grads: list[torch.Tensor], lr: float, scale: float = 1.0) -> None:
+        """One update of ``self.targets`` with ``scale * grads`` (same shapes, any float dtype;
+        fp32 grads are scaled in place). Unit by unit, so a temporary is one unit's size."""
         self.step_count += 1
-        params, wd = self.targets, self.weight_decay
-        if self.kind == "sgd":
-            return self._sgd(params, grads, lr, wd)
-        b1, b2 = self.betas
-        if wd and self.kind == "adamw":
-            torch._foreach_mul_(params, 1 - lr * wd)
-        elif wd:
-            grads = torch._foreach_add(grads, params, alpha=wd)
-        m, v = self._views(self.exp_avg), self._views(self.exp_avg_sq)
-        torch._foreach_lerp_(m, grads, 1 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, grads, grads, 1 - b2)
-        t = self.step_count
-        step_size = lr / (1 - b1 ** t)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, math.sqrt(1 - b2 ** t))
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(params, m, denom, -step_size)
+        views = [self._views(s) for s in self.state if s.numel()]
+        for i, (p, g) in enumerate(zip(self.targets, grads)):
+            if g.dtype != torch.float32:
+                g = g.float()                       # fp32 copy of a 16-bit gradient: one unit, transient
+            if scale != 1.0:
+                g.mul_(scale)
+            if self.kind == "sgd":
+                self._sgd(p, g, views[0][i] if views else None, lr)
+            else:
+                self._adam(p, g, views[0][i], views[1][i], lr)
 
-    def _sgd(self, params, grads, lr, wd):
-        if wd:
-            grads = torch._foreach_add(grads, params, alpha=wd)
-        if self.momentum:
-            buf = self._views(self.momentum_buf)
+    def _adam(self, p, g, m, v, lr):
+        b1, b2, wd = self.betas[0], self.betas[1], self.weight_decay
+        if wd and self.kind == "adamw":
+            p.mul_(1 - lr * wd)
+        elif wd:
+            g = g.add(p, alpha=wd)
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        t = self.step_count
+        denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(self.eps)
+        p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+
+    def _sgd(self, p, g, buf, lr):
+        if self.weight_decay:
+            g = g.add(p, alpha=self.weight_decay)
+        if buf is not None:
             if self.step_count == 1:
-                torch._foreach_copy_(buf, grads)
+                buf.copy_(g)
             else:
-                torch._foreach_mul_(buf, self.momentum)
-                torch._foreach_add_(buf, grads, alpha=1 - self.dampening)
-            if self.nesterov:
-                grads = torch._foreach_add(grads, buf, alpha=self.momentum)
-            else:
-                grads = buf
-        torch._foreach_add_(params, grads, alpha=-lr)
+                buf.mul_(self.momentum).add_(g, alpha=1 - self.dampening)
+            g = g.add(buf, alpha=self.momentum) if self.nesterov else buf
+        p.add_(g, alpha=-lr)
 
 
 def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Σ g² over this rank's gradient tensors, as an fp32 scalar tensor."""
+    """Σ g² over this rank's gradient tensors, as an fp32 scalar tensor (norms taken in fp32)."""
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(tensors)
-    return torch.stack(norms).float().pow(2).sum()
+    norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]  # no fp32 copy of t
+    return torch.stack(norms).pow(2).sum()
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
