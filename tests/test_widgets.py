@@ -61,10 +61,9 @@ def test_ring_moves_real_numbers_to_the_sum(n):
     assert buf == [total] * n
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 5])
 def test_stepper_widget_follows_the_algorithm(n):
-    s = RingAllReduceStepper(n=4, nbytes=8_000_000)
-    s.n.value = n
+    s = RingAllReduceStepper(n=n, nbytes=8_000_000)
     assert s.step.max == 2 * (n - 1)
     seen = {digest(s.png)}
     for k in range(1, 2 * (n - 1) + 1):
@@ -82,8 +81,8 @@ def test_stepper_widget_follows_the_algorithm(n):
 
 
 def test_stepper_shrinking_n_keeps_step_in_range():
-    s = RingAllReduceStepper(n=8)
-    s.step.value = 14
+    s = RingAllReduceStepper(n=5)
+    s.step.value = 8
     s.n.value = 3
     assert s.step.value == 4 and s.step.max == 4
     assert all(len(cell) == 3 for row in s.state for cell in row)
