@@ -104,7 +104,7 @@ def train(config, preset="micro", steps=3, batch_per_rank=2, seed=7, model_seed=
     out = {"rank": rank, "world_size": n, "psi": engine.flat.numel, "padded": engine.flat.padded,
            "units": [(u.name, u.numel, u.padded, u.shard) for u in engine.flat.units],
            "buckets": [sum(u.padded for u in b) for b in engine.buckets],
-           "records": [], "step_seconds": [], "losses": [], "events": None}
+           "records": [], "step_seconds": [], "losses": [], "events": []}
     for step in range(steps):
         seen = len(engine.comm.records)
         if engine.events is not None:
@@ -127,7 +127,7 @@ def train(config, preset="micro", steps=3, batch_per_rank=2, seed=7, model_seed=
         out["records"].append([(r.op, r.bytes, r.numel, r.dtype, r.tag, r.seconds)
                                for r in engine.comm.records[seen:]])
         if engine.events is not None:
-            out["events"] = [("forward", -1, t) for t in fwd] + list(engine.events)
+            out["events"].append([("forward", -1, t) for t in fwd] + list(engine.events))  # this step's timeline
     for h in hooks:
         h.remove()
     out["peak_backward"] = peak["grads+buffers"]
@@ -190,14 +190,14 @@ def median_step(runs, skip=1) -> float:
     return statistics.median(per_step)
 
 
-def timeline(run) -> list:
+def timeline(run, step=-1) -> list:
     """Rows for ``plots.plot_timeline`` from one rank's event timeline (config ``"zerolab": {"trace": true}``).
 
     ``[("compute", spans), ("grads, bucket 0", spans), ...]`` with spans ``(kind, start, end)``:
     compute is forward (its start -> backward start), backward (-> backward end) and the optimizer
     step; each collective row runs from issue to the moment the engine waited for it.
     """
-    ev = sorted(run["events"], key=lambda e: e[2])
+    ev = sorted(run["events"][step], key=lambda e: e[2])
     compute, comm, open_, last = [], {}, {}, {}
     for name, i, t in ev:
         if name in ("forward", "backward-start", "step-start"):
@@ -216,11 +216,16 @@ def timeline(run) -> list:
     return [("compute", compute)] + [(f"{w}, bucket {i}", spans) for (w, i), spans in sorted(comm.items())]
 
 
-def exposed_comm(run, overlap) -> float:
-    """Seconds of the last step this rank spent waiting for collectives: each gradient reduction's
-    whole duration without ``overlap_comm`` (it blocks backward), only the part that outlived
-    backward with it; plus the parameter all-gathers after the step (stages 1-2 wait for them)."""
-    rows = timeline(run)
+def exposed_comm(run, overlap, skip=1) -> float:
+    """Seconds per step this rank spent waiting for collectives (median over steps after ``skip``):
+    each gradient reduction's whole duration without ``overlap_comm`` (it blocks backward), only
+    the part that outlived backward with it; plus the parameter all-gathers after the step
+    (stages 1-2 wait for them)."""
+    return statistics.median([_exposed(run, overlap, s) for s in range(skip, len(run["events"]))])
+
+
+def _exposed(run, overlap, step) -> float:
+    rows = timeline(run, step)
     bwd_end = max(e for k, _, e in rows[0][1] if k == "backward")
     total = 0.0
     for label, spans in rows[1:]:
@@ -232,10 +237,10 @@ def exposed_comm(run, overlap) -> float:
     return total
 
 
-def plot_timeline(run, ax=None, title=None):
-    """``plots.plot_timeline`` of ``timeline(run)``, rows labelled compute / collective."""
+def plot_timeline(run, ax=None, title=None, step=-1):
+    """``plots.plot_timeline`` of ``timeline(run, step)``, rows labelled compute / collective."""
     from . import plots
-    rows = timeline(run)
+    rows = timeline(run, step)
     ax = plots.plot_timeline([spans for _, spans in rows], ax=ax, title=title)
     ax.set_yticks(range(len(rows)), [label for label, _ in rows])
     ax.set_ylabel("")
