@@ -18,7 +18,7 @@ ADAM = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 
 
 @pytest.mark.parametrize("extra, match", [
-    ({"zero_optimization": {"stage": 3}}, "stage 3 is not implemented"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload"),
     ({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}}, "ZeRO\\+\\+"),
     ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "amsgrad": True}}}, "amsgrad"),
