@@ -80,10 +80,13 @@ def param_names(model) -> list[str]:
     return [n for n, _ in model.named_parameters()]  # tied weights appear once
 
 
-def theory_bytes(psi: int, n: int, stage: int, kind: str) -> int:
-    """Bytes one rank sends per step under ring algorithms, fp32 gradients and parameters."""
+def theory_bytes(psi: int, n: int, stage: int, kind: str, persistent: int = 0) -> int:
+    """Bytes one rank sends per step under ring algorithms, fp32 gradients and parameters.
+    ``persistent``: DeepSpeed ZeRO-3's elements in parameters kept whole (no gathers: 2x, not 3x)."""
     from .network import ring_bytes
     from .theory import comm_volume
+    if kind == "deepspeed" and stage == 3 and persistent:
+        return comm_volume(persistent, n, 2, dtype_bytes=4) + comm_volume(psi - persistent, n, 3, dtype_bytes=4)
     if kind == "zero_redundancy":  # DDP all-reduce, then each rank broadcasts its shard of parameters
         shard = -(-psi // n) * 4
         return ring_bytes("all_reduce", psi * 4, n) + sum(ring_bytes("broadcast", shard, n, 0, src)
@@ -101,12 +104,15 @@ class Runner:
         self.model = build_model(preset)
         self.names = param_names(self.model)
         self.world_size = dist.get_world_size()
-        self.psi = sum(p.numel() for p in self.model.parameters())
+        self.numels = [p.numel() for p in self.model.parameters()]  # before any engine partitions them
+        self.psi = sum(self.numels)
         self.steps = 0
 
     @property
     def bytes_per_step(self) -> int:
-        return theory_bytes(self.psi, self.world_size, self.stage, self.kind)
+        threshold = self.cfg["zero_optimization"].get("stage3_param_persistence_threshold", 100_000)
+        persistent = sum(n for n in self.numels if n <= threshold)
+        return theory_bytes(self.psi, self.world_size, self.stage, self.kind, persistent)
 
     bytes_source = "theory"
 
