@@ -111,6 +111,8 @@ def engine_memory(stage: int, precision: str = "mixed", world_size: int = 2, tim
     depend on the learner's code."""
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": stage}}
+    if stage == 3:   # a 108-parameter model would otherwise stay whole ("persistent", as in DeepSpeed)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if precision != "fp32":
         config["bf16"] = {"enabled": True}
     if precision == "mixed_fp32_grads":
