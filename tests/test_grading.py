@@ -15,14 +15,23 @@ import pytest
 
 from zerolab import exercises as ex
 from zerolab import grading
+from zerolab.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = ex.names()
 
 
 def run_cli(*args, cwd=REPO):
+    """``python -m zerolab ARGS`` in a subprocess (the real entry point; each pays torch's import)."""
     return subprocess.run([sys.executable, "-m", "zerolab", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=1200)
+
+
+def cli(capsys, *args):
+    """The same command line in this process: (exit code, stdout, stderr)."""
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def code_cells(nb):
@@ -145,18 +154,18 @@ def test_grade_fails_stubs_even_with_the_solutions_outputs(tmp_path):
     assert f"0/{len(paths)} exercises complete" in res.stdout
 
 
-def test_grade_rejects_missing_files_and_unknown_exercises(tmp_path):
-    res = run_cli("grade", str(tmp_path / "nope.ipynb"))
-    assert res.returncode == 2 and "no such notebook" in res.stderr
+def test_grade_rejects_missing_files_and_unknown_exercises(tmp_path, capsys):
+    code, _, err = cli(capsys, "grade", str(tmp_path / "nope.ipynb"))
+    assert code == 2 and "no such notebook" in err
     nb = ex.stub_notebook(ex.read(ex.solution_path(NAMES[0])))
     del nb.metadata["zerolab"]
     ex.write(nb, tmp_path / "mystery.ipynb")
-    res = run_cli("grade", str(tmp_path / "mystery.ipynb"))
-    assert res.returncode == 2 and "unknown exercise 'mystery.ipynb'" in res.stderr
+    code, _, err = cli(capsys, "grade", str(tmp_path / "mystery.ipynb"))
+    assert code == 2 and "unknown exercise 'mystery.ipynb'" in err
 
 
 # ---------------------------------------------------------------- copy and reset
-def test_copy_then_reset_keeps_a_backup(tmp_path):
+def test_copy_then_reset_keeps_a_backup(tmp_path, capsys):
     work = tmp_path / "my exercises"
     res = run_cli("exercises", "--copy", str(work))
     assert res.returncode == 0, res.stderr
@@ -166,13 +175,15 @@ def test_copy_then_reset_keeps_a_backup(tmp_path):
     next(c for c in nb.cells if ex.ANSWER in ex.tags(c)).source = "# my work in progress"
     ex.write(nb, mine)
 
-    assert ex.copy_to(work) == []                                   # copying again never overwrites
+    code, out, _ = cli(capsys, "exercises", "--copy", str(work))     # copying again never overwrites
+    assert code == 0 and "copied 0" in out
     assert "# my work in progress" in mine.read_text()
 
     short = NAMES[1].split("_", 1)[0]                                # "02" names the exercise too
-    res = run_cli("exercises", "--reset", short, "--dir", str(work))
-    assert res.returncode == 0, res.stderr
+    code, out, err = cli(capsys, "exercises", "--reset", short, "--dir", str(work))
+    assert code == 0, err
     backup = work / f"{NAMES[1]}.ipynb.bak"
+    assert str(backup) in out
     assert "# my work in progress" in backup.read_text()
     assert "# my work in progress" not in mine.read_text()
     assert [c.source for c in ex.read(mine).cells] == \
@@ -181,8 +192,8 @@ def test_copy_then_reset_keeps_a_backup(tmp_path):
     assert backup.exists() and (work / f"{NAMES[1]}.ipynb.bak1").exists()
 
 
-def test_exercises_lists_them_and_rejects_unknown_names():
-    res = run_cli("exercises")
-    assert res.returncode == 0 and all(n in res.stdout for n in NAMES)
-    res = run_cli("exercises", "--reset", "99_nothing", "--dir", "/tmp")
-    assert res.returncode == 2 and "unknown exercise" in res.stderr
+def test_exercises_lists_them_and_rejects_unknown_names(capsys):
+    code, out, _ = cli(capsys, "exercises")
+    assert code == 0 and all(n in out for n in NAMES)
+    code, _, err = cli(capsys, "exercises", "--reset", "99_nothing", "--dir", "/tmp")
+    assert code == 2 and "unknown exercise" in err
