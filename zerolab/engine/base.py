@@ -265,7 +265,11 @@ class Engine:
         return self.communicator.ledger
 
     def memory(self) -> MemoryReport:
-        """Bytes this rank holds right now, by category (chapter 1's Table 1, measured)."""
+        """Bytes this rank holds right now, by category (chapter 1's Table 1, measured).
+
+        params: the flat 16-bit (or fp32) parameters, padded, plus frozen ones; grads: the
+        gradient buffer (stage 2: the shard); optimizer: fp32 master + state; buffers: the
+        model's buffers, staging buckets and in-flight temporaries."""
         frozen = {p.untyped_storage().data_ptr(): _nbytes(p) for _, p in self.flat.frozen}
         buffers = {b.untyped_storage().data_ptr(): _nbytes(b) for b in self.module.buffers()}
         return MemoryReport(

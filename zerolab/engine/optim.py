@@ -15,6 +15,10 @@ first step. The maths is torch.optim's, term for term:
     SGD    g += wd*p;  buf = g (first step) or momentum*buf + (1-dampening)*g;
            g = g + momentum*buf (nesterov) or buf;  p -= lr*g
 
+One difference from torch.optim: a parameter that got no gradient in a step
+(unused) has a zero gradient here, as in DDP, so weight decay still applies to
+it; torch.optim skips parameters whose ``.grad`` is None.
+
 Our "adam" is torch.optim.Adam (L2 weight decay, default 0). DeepSpeed's
 "Adam" is AdamW with weight decay unless ``adam_w_mode: false``; the config
 maps ``adam_w_mode: true`` to "adamw" and says so in ``Config.notes``.
