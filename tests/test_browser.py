@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from zerolab.widgets import _fmt_params
+from zerolab.widgets import format_params
 
 from browser_util import (CHROMIUM, REPO, chromium, digest, jupyter_lab, run_all,
                           wait_all_cells_ran, wait_image_stable, wait_kernel_ready)
@@ -89,7 +89,7 @@ def test_memory_explorer_reacts_in_jupyterlab(tmp_path):
         # every key press is a redraw in the kernel: wait until the caption under the
         # chart names the slider's final Ψ, then until the image settles
         caption = page.locator(".widget-output", has=page.locator(".jp-RenderedImage img")).first
-        expect(caption).to_contain_text(f"Ψ = {_fmt_params(psi)} parameters, N = 64.", timeout=20_000)
+        expect(caption).to_contain_text(f"Ψ = {format_params(psi)} parameters, N = 64.", timeout=20_000)
         after = wait_image_stable(page, CHART, differs_from=before)
         marks["redrawn"] = time.monotonic() - t0
         explorer.screenshot(path=str(ARTIFACTS / "01_explorer_after.png"))

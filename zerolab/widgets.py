@@ -20,7 +20,7 @@ from IPython.display import Image, display
 from zerolab import plots
 
 PRESETS = {"7.5B": 7.5e9, "13B": 13e9, "70B": 70e9, "175B": 175e9}
-GPUS_GB = (24, 40, 80, 141)      # RTX 4090 / A100-40G / A100-80G, H100 / H200
+GPUS_GB = (24, 40, 80, 141)      # RTX 4090; A100 40GB; A100 80GB or H100; H200
 N_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STAGES = (0, 1, 2, 3)
 # zerolab.network.LINKS preset -> label (the links the seeds discuss; chapter 2)
@@ -29,7 +29,8 @@ LINK_CHOICES = {"nvlink3": "NVLink A100 (300 GB/s each way)", "infiniband-200g":
 _WIDE = {"description_width": "initial"}
 
 
-def _fmt_params(psi: float) -> str:
+def format_params(psi: float) -> str:
+    """7.5e9 -> '7.5B', 1e12 -> '1T': parameter counts as the book writes them."""
     for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
         if psi >= scale:
             return f"{psi / scale:.3g}{unit}"
@@ -140,7 +141,7 @@ class MemoryExplorer:
         fig.get_layout_engine().set(w_pad=0.1)
         p = settings
         plots.stage_memory_bars(data, capacity_gb=gpu_gb, ax=ax_mem,
-                                title=f"Ψ = {_fmt_params(p['psi'])}, N = {p['n_gpus']}, "
+                                title=f"Ψ = {format_params(p['psi'])}, N = {p['n_gpus']}, "
                                       f"{p['precision']}, {p['optimizer']}")
         xs = range(len(STAGES))
         comm_gb = [c / plots.GB for c in data["comm"]]
@@ -159,7 +160,7 @@ class MemoryExplorer:
         fits = ", ".join(f"{name} {'fits' if t <= gpu_gb * plots.GB else 'does not fit'}"
                          for name, t in zip(plots.STAGE_NAMES, data["total"]))
         display(Image(data=self.png, format="png"))
-        print(f"Ψ = {_fmt_params(p['psi'])} parameters, N = {p['n_gpus']}. "
+        print(f"Ψ = {format_params(p['psi'])} parameters, N = {p['n_gpus']}. "
               f"With {gpu_gb} GB per GPU: {fits}.")
 
     def render(self):
