@@ -250,3 +250,45 @@ def check_schedule(schedule, order, numels, prefetch_elems, max_live_elems) -> s
     if live:
         return f"units {sorted(live)} never released"
     return ""
+
+
+def _stage3_worker(prefetch_elems, max_live_elems):
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_prefetch_bucket_size": prefetch_elems,
+                                    "stage3_max_live_parameters": max_live_elems,
+                                    "stage3_max_reuse_distance": 0},
+              "zerolab": {"trace": True}}
+    engine = zl.initialize(Tower(), config)
+    for step in range(2):               # the first micro-step records the unit order; the second prefetches
+        engine.events.clear()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss = engine(x).pow(2).mean()
+        events = [(name, i) for name, i, _ in engine.events]
+        engine.backward(loss)
+        engine.step()
+    issued, by_end = set(), []
+    for name, i in events:              # the second forward's timeline
+        if name == "gather-issued":
+            issued.add(i)               # (a unit issued again is backward's prefetch: not counted)
+        elif name == "unit-fwd-end":
+            by_end.append(len(issued))
+    return {"issued_by_end": by_end, "numels": [u.padded for u in engine.flat.units]}
+
+
+def engine_prefetch(prefetch_elems: int, max_live_elems: int, world_size: int = 2, timeout: float = 60) -> dict:
+    """zerolab's ZeRO-3 engine on ``Tower()`` with these budgets (reuse distance 0, no persistent
+    units): for each unit of the second forward, how many units' all-gathers had been issued by
+    the end of its compute; and the units' (padded) sizes. Rank 0's view."""
+    return zl.launch(_stage3_worker, world_size, args=(prefetch_elems, max_live_elems), timeout=timeout)[0]
+
+
+def issued_by_compute(schedule) -> list:
+    """For each compute event of ``schedule``: how many fetches were issued before it."""
+    issued, out = 0, []
+    for op, _ in schedule:
+        if op == "fetch":
+            issued += 1
+        elif op == "compute":
+            out.append(issued)
+    return out
