@@ -56,6 +56,9 @@ def jupyter_lab(root: Path, timeout: float = 30.0):
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
            "--allow-root", "--IdentityProvider.token=", "--ServerApp.password=",
            f"--ServerApp.root_dir={root}", "--ServerApp.disable_check_xsrf=True",
+           # server extensions the test does not need (language server, terminals): faster start
+           "--ServerApp.jpserver_extensions=jupyter_lsp=False",
+           "--ServerApp.jpserver_extensions=jupyter_server_terminals=False",
            f"--LabApp.workspaces_dir={root / '.workspaces'}", f"--LabApp.user_settings_dir={settings}"]
     log = open(root / "jupyter.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
