@@ -197,3 +197,9 @@ def test_exercises_lists_them_and_rejects_unknown_names(capsys):
     assert code == 0 and all(n in out for n in NAMES)
     code, _, err = cli(capsys, "exercises", "--reset", "99_nothing", "--dir", "/tmp")
     assert code == 2 and "unknown exercise" in err
+
+
+def test_missing_exercise_folder_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ZEROLAB_EXERCISES_DIR", str(tmp_path))
+    code, _, err = cli(capsys, "grade", str(REPO / "exercises" / f"{NAMES[0]}.ipynb"))
+    assert code == 2 and "exercise notebooks not found" in err and "ZEROLAB_EXERCISES_DIR" in err

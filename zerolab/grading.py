@@ -71,8 +71,10 @@ class Report:
             if c.kind == "check":
                 k += 1
                 lines.append(f"  {'PASS' if c.passed else 'FAIL'}  check {k}: {c.name}")
+            elif not c.passed and c.kind == "answer":
+                lines.append(f"  ERROR in your answer cell {c.name!r}")
             elif not c.passed:
-                lines.append(f"  ERROR in {c.kind} cell {c.name}")
+                lines.append(f"  ERROR in code cell {c.cell} of the exercise (set-up)")
             if not c.passed:
                 lines += [f"        {r}" for r in _short(c.reason).splitlines()]
         n_ok = sum(c.passed for c in self.checks)
@@ -248,6 +250,10 @@ def add_grade_args(p):
 
 
 def cmd_grade(args) -> int:
+    try:
+        ex.exercises_dir()
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None
     paths = [p for p in args.paths if not p.endswith(".bak")]
     for p in paths:
         if not Path(p).is_file():
@@ -271,6 +277,10 @@ def add_exercises_args(p):
 
 
 def cmd_exercises(args) -> int:
+    try:
+        ex.exercises_dir()
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None
     if args.copy:
         written = ex.copy_to(args.copy)
         print(f"copied {len(written)} exercise(s) to {Path(args.copy).expanduser().resolve()}"
