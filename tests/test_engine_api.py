@@ -186,3 +186,30 @@ def test_two_backwards_at_the_boundary_are_refused():
     engine.backward(loss_fn(engine(x), y))
     with pytest.raises(RuntimeError, match="step\\(\\) after every"):
         engine.backward(loss_fn(engine(x), y))
+
+
+def test_loss_backward_outside_the_engine_is_refused():
+    model = MLP(seed=0)
+    engine = zl.initialize(model, ADAM)
+    x, y = synthetic_batch(model, 4)
+    with pytest.raises(RuntimeError, match="engine.backward"):
+        loss_fn(engine(x), y).backward()
+
+
+def test_reentrant_checkpointing_that_reuses_a_parameter_is_refused():
+    import torch.utils.checkpoint as cp
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = cp.checkpoint(self.lin, x, use_reentrant=True)
+            return cp.checkpoint(self.lin, x, use_reentrant=True)
+
+    model = Twice()
+    engine = zl.initialize(model, ADAM)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        engine.backward(engine(x).sum())

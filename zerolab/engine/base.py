@@ -14,8 +14,8 @@ What a stage changes is small and named (stage files override these):
 
 Gradient buckets (``reduce_bucket_size`` elements, whole units, last unit
 first) are reduced as soon as every parameter in them has its gradient, in
-bucket order on every rank, asynchronously when ``overlap_comm`` is on. A hook
-queued at the end of backward flushes buckets holding unused parameters and
+bucket order on every rank, asynchronously when ``overlap_comm`` is on. When
+autograd returns, ``backward`` flushes buckets holding unused parameters and
 waits for what is in flight. Collectives *sum* gradients; the step multiplies
 by 1/N, 1/loss-scale and the clipping factor in one pass over the shard.
 """
@@ -95,7 +95,7 @@ class Engine:
 
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._pending = []  # [(handle, finish or None, tensors kept alive until finished)]
-        self._in_backward, self._reducing, self._reduced, self._reduced_unstepped = False, False, True, False
+        self._reducing, self._reduced_unstepped, self._fired, self._in_backward = False, False, set(), False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.flat.params()]
         self.events = [] if cfg.trace else None  # timeline: (event, bucket or -1, perf_counter seconds)
 
@@ -161,17 +161,25 @@ class Engine:
         self._left = list(self._bucket_params)
         self._ready = [False] * len(self.buckets)
         self._next_bucket, self._pending = 0, []
-        self._reduced = not self._reducing
+        self._fired = set()
         self.event("backward-start")
         factor = (self.scaler.scale if self.scaler else 1.0) / self.gas
-        (loss.float() * factor if factor != 1.0 else loss).backward()
-        if self._reducing and not self._reduced:   # no parameter got a gradient at all
-            self._end_of_backward()
+        self._in_backward = True
+        try:
+            (loss.float() * factor if factor != 1.0 else loss).backward()
+        finally:
+            self._in_backward = False
+        self._end_of_backward()
 
     def _grad_hook(self, p) -> None:
         if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            raise RuntimeError("a gradient arrived outside engine.backward(): call engine.backward(loss), "
+                               "not loss.backward(), so the engine can reduce the gradients")
+        if id(p) in self._fired:
+            raise RuntimeError("a parameter received its gradient twice in one backward (reentrant activation "
+                               "checkpointing?); its bucket may already be reduced. Use "
+                               "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+        self._fired.add(id(p))
         self.keep_grad(p)
         if self._reducing:
             i = self._bucket_of[id(p)]
@@ -188,7 +196,6 @@ class Engine:
             self._next_bucket += 1
 
     def _end_of_backward(self) -> None:
-        self._in_backward = False
         if not self._reducing:
             return
         self._ready = [True] * len(self.buckets)  # unused parameters: their (zero) gradients go as they are
@@ -200,7 +207,6 @@ class Engine:
                 finish()
             self.event("reduce-done", index)
         self._pending = []
-        self._reduced = True
 
     @torch.no_grad()
     def step(self) -> None:
