@@ -103,7 +103,7 @@ def chromium(user_data_dir: Path, viewport=(1400, 1000)):
             ctx.close()
 
 
-def wait_kernel_ready(page, timeout_ms=30_000):
+def wait_kernel_ready(page, timeout_ms=60_000):
     """The kernel exists and is idle (the status bar says Idle *before* it exists)."""
     page.wait_for_selector(".jp-DebuggerBugButton[aria-disabled='false']", timeout=timeout_ms)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout_ms)
@@ -114,7 +114,7 @@ def run_all(page):
     page.locator(".lm-Menu-item[data-command='runmenu:run-all']").click()
 
 
-def wait_all_cells_ran(page, n_visible: int, settle_ms=1000, timeout_ms=60_000):
+def wait_all_cells_ran(page, n_visible: int, settle_ms=1000, timeout_ms=90_000):
     """Every code cell with a visible prompt shows an execution count, none is queued or
     running ([*]), and the kernel has stayed idle for ``settle_ms`` (hidden-input cells
     show no prompt, and the kernel flickers idle between queued cells)."""

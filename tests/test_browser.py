@@ -20,7 +20,7 @@ from zerolab.widgets import format_params
 from browser_util import (CHROMIUM, REPO, chromium, digest, jupyter_lab, run_all,
                           wait_all_cells_ran, wait_image_stable, wait_kernel_ready)
 
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 
 NOTEBOOK = REPO / "chapters" / "01_memory.ipynb"
 ARTIFACTS = REPO / "artifacts" / "browser"
