@@ -105,6 +105,14 @@ def test_compare_specs_share_one_config():
         assert s.cfg["train_micro_batch_size_per_gpu"] == 4
 
 
+def test_without_deepspeed_its_rows_are_skipped_with_a_note(monkeypatch):
+    monkeypatch.setattr(bp, "deepspeed_available", lambda: False)
+    specs, notes = bench.compare_specs([0, 1, 2, 3], 4, 8)
+    assert not any(s.kind == "deepspeed" for s in specs)
+    assert {"ddp-0", "zero_redundancy-1", "fsdp2-3"} <= {s.key for s in specs}
+    assert any("pip install 'zerolab[bench]'" in n for n in notes)
+
+
 def test_overlap_specs_and_speedups():
     specs, _ = bench.overlap_specs([0, 2], 2, 8, bucket=1000, link="demo")
     assert [s.key for s in specs if s.stage == 0] == [
