@@ -50,7 +50,10 @@ def ds_config(stage, *, precision="fp32", optimizer="Adam", lr=3e-3, weight_deca
 
 def make_model(preset="micro", model_seed=1, key_bias=False):
     """The chapters' model: TinyGPT without the attention key bias (its true gradient is
-    exactly zero, so Adam turns rounding noise there into ±lr steps; chapter 3)."""
+    exactly zero, so Adam turns rounding noise there into ±lr steps; chapter 3).
+    ``preset``: a name in ``models.PRESETS`` or a dict of TinyGPT keyword arguments."""
+    if isinstance(preset, dict):
+        return TinyGPT(**preset, key_bias=key_bias, seed=model_seed)
     return TinyGPT.preset(preset, key_bias=key_bias, seed=model_seed)
 
 
