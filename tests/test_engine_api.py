@@ -213,3 +213,10 @@ def test_reentrant_checkpointing_that_reuses_a_parameter_is_refused():
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises(RuntimeError, match="use_reentrant=False"):
         engine.backward(engine(x).sum())
+
+
+def test_parameters_sharing_memory_are_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight = nn.Parameter(model[0].weight.data[:, :])  # a second Parameter over the same memory
+    with pytest.raises(ValueError, match="shares memory"):
+        zl.initialize(model, ADAM)

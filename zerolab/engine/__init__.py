@@ -59,12 +59,24 @@ def _check_supported(model: nn.Module, cfg) -> None:
     ShardedOptimizer(cfg.optimizer.type, cfg.optimizer.params, [])  # validates the optimizer section
     make_scheduler(cfg.scheduler)                                     # ... and the scheduler's
     params = list(model.parameters())
+    if any(getattr(p, "_zerolab_engine", False) for p in params):
+        raise ValueError("this model is already wrapped by a zerolab engine; build a fresh model")
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to train")
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
         raise ValueError(f"all parameters must share one floating dtype; found {sorted(map(str, dtypes))}")
+    if any(p.is_meta for p in params):
+        raise ValueError("the model has parameters on the meta device; materialise them (e.g. to_empty + init) "
+                         "before zl.initialize")
+    storages = {}
+    for name, p in model.named_parameters():
+        ptr = p.untyped_storage().data_ptr()
+        if ptr in storages and storages[ptr] is not p:
+            raise ValueError(f"parameter {name!r} shares memory with another parameter (a view of it); the "
+                             f"flat buffer would separate them. Tie modules by assigning the same nn.Parameter")
+        storages[ptr] = p
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ValueError(f"all parameters must be on one device; found {sorted(map(str, devices))}")
@@ -72,8 +84,6 @@ def _check_supported(model: nn.Module, cfg) -> None:
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
             raise ValueError(f"{name}: sparse gradients (sparse=True) are not supported; use sparse=False")
     for p in params:
-        if getattr(p, "_zerolab_engine", False):
-            raise ValueError("this model is already wrapped by a zerolab engine; build a fresh model")
         if p.grad is not None and p.grad.is_sparse:
             raise ValueError("sparse gradients are not supported")
     for p in params:
