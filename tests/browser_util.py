@@ -19,7 +19,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = os.environ.get("ZEROLAB_CHROMIUM", "/usr/bin/chromium")   # Debian's; override for other systems
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 REPO = Path(__file__).resolve().parents[1]

@@ -4,8 +4,9 @@ Opens chapters/01_memory.ipynb (a temporary copy), runs all cells, moves the
 Memory Explorer's Ψ slider with the keyboard and checks that the chart redraws.
 Screenshots go to artifacts/browser/ (ignored by git).
 
-Without /usr/bin/chromium the test is skipped — unless CI=true, where it fails.
-Install it with ``apt-get install -y chromium`` (never ``playwright install``).
+Without /usr/bin/chromium (or $ZEROLAB_CHROMIUM) the test is skipped — unless
+CI=true, where it fails. Install it with ``apt-get install -y chromium`` (never
+``playwright install``). Run: ``pytest -m browser tests/test_browser.py``.
 """
 import json
 import os
