@@ -73,6 +73,8 @@ def _check_supported(model: nn.Module, cfg) -> None:
     storages = {}
     for name, p in model.named_parameters():
         ptr = p.untyped_storage().data_ptr()
+        if p.numel() == 0:
+            continue
         if ptr in storages and storages[ptr] is not p:
             raise ValueError(f"parameter {name!r} shares memory with another parameter (a view of it); the "
                              f"flat buffer would separate them. Tie modules by assigning the same nn.Parameter")
