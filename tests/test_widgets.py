@@ -213,6 +213,9 @@ def test_plot_timeline_draws_one_box_per_event():
              for (x, w) in [(path.vertices[:, 0].min(), path.vertices[:, 0].max() - path.vertices[:, 0].min())]]
     assert sorted(boxes) == [(0.0, 10.0), (1.0, 10.0), (2.0, 2.0)]    # ms since the first event
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["all_gather", "forward"]
+    ax = plots.plot_timeline(events, labels=["rank 0 compute", "rank 1 compute"])
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0 compute", "rank 1 compute"]
+    assert plots.plot_timeline([[], []]).get_legend() is None        # empty rows draw, no legend
 
 
 def test_folded_captures_prints_into_a_details_block(capsys, monkeypatch):

@@ -249,12 +249,13 @@ def _rect(x, y, frac):
 
 # -- chapter 6 -----------------------------------------------------------------
 
-def plot_timeline(events_per_rank, ax=None, title=None, colors=None):
-    """Gantt chart: one row per rank, one box per event.
+def plot_timeline(events_per_rank, ax=None, title=None, colors=None, labels=None):
+    """Gantt chart: one row per rank (or per ``labels`` entry), one box per event.
 
-    ``events_per_rank``: list (one per rank) of events, each a mapping with
+    ``events_per_rank``: list (one per row) of events, each a mapping with
     ``kind`` (e.g. "forward", "all_gather"), ``start`` and ``end`` in seconds
     (or a tuple ``(kind, start, end)``). Times are drawn relative to the earliest.
+    ``labels``: row names (default "rank 0", "rank 1", ...).
     """
     fig, ax = new_axes(ax, figsize=(8, 1 + 0.6 * len(events_per_rank)))
     rows = [[_event(e) for e in evs] for evs in events_per_rank]
@@ -264,19 +265,21 @@ def plot_timeline(events_per_rank, ax=None, title=None, colors=None):
     colors = dict(colors or {})
     for i, k in enumerate(k for k in kinds if k not in colors):
         colors[k] = palette[i % len(palette)]
+    seen = set()                                      # one legend entry per kind
     for r, evs in enumerate(rows):
         for kind in kinds:
-            spans = [((s - t0) * 1e3, (e - s) * 1e3) for k, s, e in evs if k == kind]
+            spans = [((s - t0) * 1e3, (e - s) * 1e3) for k, s, e in evs if k == kind]   # ms
             if spans:
                 ax.broken_barh(spans, (r - 0.35, 0.7), facecolors=colors[kind],
-                               label=kind if r == 0 or not any(k == kind for k, _, _ in
-                                                               (x for rr in rows[:r] for x in rr)) else None)
-    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
+                               label=None if kind in seen else kind)
+                seen.add(kind)
+    ax.set_yticks(range(len(rows)), labels or [f"rank {r}" for r in range(len(rows))])
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlabel("time since first event (ms)")
-    ax.set_ylabel("rank")
+    ax.set_ylabel("" if labels else "rank")
     ax.set_title(title or "Timeline per rank")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if seen:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return ax
 
 
