@@ -40,7 +40,11 @@ def initialize(model: nn.Module, config, link=None) -> Engine:
     communicator = make_communicator(cfg.link)
     cfg = cfg.with_world_size(communicator.world_size)
     _check_supported(model, cfg)
-    return ENGINES[cfg.zero.stage](model, cfg, communicator)
+    cls = ENGINES[cfg.zero.stage]
+    if cfg.zero.offload_optimizer.device != "none" or cfg.zero.offload_param.device != "none":
+        from .offload import offload_engine  # chapter 7: ZeRO-Offload / ZeRO-Infinity
+        cls = offload_engine(cls, cfg.zero)
+    return cls(model, cfg, communicator)
 
 
 def _check_supported(model: nn.Module, cfg) -> None:
@@ -50,12 +54,12 @@ def _check_supported(model: nn.Module, cfg) -> None:
                           f"(implemented: {sorted(ENGINES)})")
     if z.zeropp:
         raise ConfigError(f"zero_optimization: ZeRO++ ({', '.join(z.zeropp)}) is not implemented yet")
-    if z.offload_optimizer.device != "none":
-        raise ConfigError(f"zero_optimization.offload_optimizer.device: '{z.offload_optimizer.device}' "
-                          f"offload is not implemented yet; use 'none'")
-    if z.offload_param.device != "none":
-        raise ConfigError("zero_optimization.offload_param: parameter offload needs stage 3 and is not "
-                          "implemented yet; use 'none'")
+    if z.offload_optimizer.device != "none" and z.stage < 1:
+        raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (got stage 0): only a "
+                          "partitioned optimizer is offloaded; allowed device at stage 0: 'none'")
+    if z.offload_param.device != "none" and z.stage < 3:
+        raise ConfigError(f"zero_optimization.offload_param needs stage 3 (got stage {z.stage}): only ZeRO-3 "
+                          f"partitions the parameters; use 'none' or stage 3")
     ShardedOptimizer(cfg.optimizer.type, cfg.optimizer.params, [])  # validates the optimizer section
     make_scheduler(cfg.scheduler)                                     # ... and the scheduler's
     params = list(model.parameters())
