@@ -1,0 +1,262 @@
+"""ZeRO-Offload: the optimizer's state and step on the CPU, its state in RAM or on NVMe (chapter 7).
+
+With ``offload_optimizer.device`` "cpu" or "nvme" (stages 1-3) the rank's
+shard of the optimizer state — fp32 master weights (mixed precision) and
+Adam's m and v, 12 bytes per element, or m and v alone (8) in fp32 — lives
+off the accelerator. Per unit, at the step:
+
+    gradient shard  device -> host  (into a pinned fp32 staging slot; the next
+                                     unit's copy is in flight while this one steps:
+                                     double buffering)
+    state chunk     RAM, or NVMe -> staging buffer (read ahead, ``buffer_count``)
+    CPU step        one fused pass (torch's vectorised CPU Adam/AdamW kernel)
+    parameters      host -> device  (the updated 16-bit, or fp32, shard)
+    state chunk     staging -> NVMe (written behind, while the next unit steps)
+
+The device keeps only parameters and gradients: ``memory()`` reports
+``optimizer`` = 0 and the state under ``host`` or ``nvme``. On a CPU-only
+machine "device" and "host" are the same RAM; the accounting still says
+which tier each byte belongs to, and the NVMe tier really leaves RAM.
+
+``offload_engine(Stage1Engine)`` is the stage class plus ``OffloadMixin``
+(stage 3's parameter offload is in ``param_offload``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import _nbytes
+from .nvme import ChunkStore, NVMeError, check_nvme_path
+from .optim import ShardedOptimizer
+
+FUSED = {"adam": getattr(torch, "_fused_adam_", None), "adamw": getattr(torch, "_fused_adamw_", None)}
+
+
+class OffloadOptimizer:
+    """The optimizer of a rank's shard, held on the host ("cpu") or in a swap file ("nvme").
+
+    ``targets``: the device tensors the step writes (the rank's parameter shard per unit,
+    compute dtype). State per unit is one fp32 chunk ``[master | m | v]`` (S elements each;
+    no master in fp32, where the device parameter is read back at each step instead).
+    """
+
+    def __init__(self, kind, params, targets, has_master, off, rank=0, sub_group_size=10**9,
+                 key="zero_optimization.offload_optimizer"):
+        self.math = ShardedOptimizer(kind, params, [])   # validated hyper-parameters, torch.optim's maths
+        self.kind, self.targets, self.has_master, self.device = kind, targets, has_master, off.device
+        self.lr, self.step_count = self.math.lr, 0
+        moments = 2 if kind in ("adam", "adamw") else int(bool(self.math.momentum))  # m, v | momentum | none
+        self.slots = int(has_master) + moments                # fp32 arrays per element
+        # pieces: (unit, start, end) tiles of each unit's shard, at most sub_group_size elements
+        step_ = max(1, int(sub_group_size))
+        self.pieces = [(i, a, min(a + step_, t.numel())) for i, t in enumerate(targets)
+                       for a in range(0, t.numel(), step_)]
+        self.sizes = [b - a for _, a, b in self.pieces]
+        dev = targets[0].device if targets else torch.device("cpu")
+        self.pin = bool(off.pin_memory) and torch.cuda.is_available() and dev.type == "cuda"
+        self.async_copy = dev.type == "cuda"
+        big = max(self.sizes, default=0)
+        # grad staging: 2 x largest unit shard, fp32 (double buffer: one stepping, one arriving)
+        self.grad_stage = [torch.empty(big, dtype=torch.float32, pin_memory=self.pin) for _ in range(2)]
+        # fp32 only: the parameter shard comes back to the host for the step (2 x largest unit)
+        self.param_stage = [torch.empty(big if not has_master else 0, dtype=torch.float32, pin_memory=self.pin)
+                            for _ in range(2)]
+        chunks = [self.slots * n for n in self.sizes]
+        if self.device == "nvme":
+            path = check_nvme_path(off.nvme_path, key)
+            self.store = ChunkStore(path, chunks, torch.float32, off.buffer_count, f"optimizer-r{rank}", key,
+                                    self.pin)
+            self.host = None
+        else:
+            self.store = None
+            # host state, fp32: slots x padded Ψ/N, one chunk per unit
+            self.host = torch.zeros(sum(chunks), dtype=torch.float32, pin_memory=self.pin)
+            self.chunks, off_ = [], 0
+            for n in chunks:
+                self.chunks.append(self.host[off_: off_ + n])
+                off_ += n
+        for k, (i, a, b) in enumerate(self.pieces):   # initial state: master = the parameters, moments = 0
+            chunk = torch.zeros(chunks[k], dtype=torch.float32) if self.store else self.chunks[k]
+            if has_master:
+                chunk[: b - a].copy_(targets[i][a:b])
+            if self.store:
+                self.store.write_now(k, chunk)
+        self._error = None
+
+    # ---------------------------------------------------------------- bytes by tier
+    def nbytes(self) -> int:
+        """Optimizer bytes on the device: none."""
+        return 0
+
+    def host_bytes(self) -> int:
+        return _nbytes(self.host)
+
+    def nvme_bytes(self) -> int:
+        return self.store.nbytes() if self.store else 0
+
+    def staging_bytes(self) -> int:
+        """Transfer and I/O staging buffers (host RAM)."""
+        return sum(_nbytes(t) for t in self.grad_stage + self.param_stage) + \
+            (self.store.staging_bytes() if self.store else 0)
+
+    # ---------------------------------------------------------------- the step
+    def _fetch(self, k: int, grads, slot: int):
+        """Start copying piece k's gradient (and fp32 parameter) shard to the host."""
+        i, a, b = self.pieces[k]
+        g = self.grad_stage[slot][: b - a]
+        g.copy_(grads[i][a:b], non_blocking=self.async_copy)
+        p = None
+        if not self.has_master:
+            p = self.param_stage[slot][: b - a]
+            p.copy_(self.targets[i][a:b], non_blocking=self.async_copy)
+        ev = None
+        if self.async_copy:
+            ev = torch.cuda.Event()
+            ev.record()
+        return g, p, ev
+
+    def _chunks(self, order):
+        if self.store is not None:
+            yield from self.store.stream(order)
+        else:
+            for i in order:
+                yield i, self.chunks[i]
+
+    @torch.no_grad()
+    def step(self, grads, lr: float, scale: float = 1.0) -> None:
+        """One update with ``scale * grads``; the updated parameters are written to ``targets``."""
+        self.step_count += 1
+        self.math.step_count = self.step_count
+        order = list(range(len(self.pieces)))
+        pending = self._fetch(0, grads, 0) if order else None
+        try:
+            for k, chunk in self._chunks(order):
+                g, p, ev = pending
+                if k + 1 < len(order):   # double buffering: the next piece's transfer overlaps this step
+                    pending = self._fetch(k + 1, grads, (k + 1) % 2)
+                if ev is not None:
+                    ev.synchronize()
+                if scale != 1.0:
+                    g.mul_(scale)
+                i, a, b = self.pieces[k]
+                views = list(chunk.view(self.slots, b - a))   # [master,] m, v: (piece,) each
+                if self.has_master:
+                    p, views = views[0], views[1:]
+                self._update(p, g, views, lr)
+                self.targets[i][a:b].copy_(p)     # host -> device: the updated shard (cast to compute dtype)
+        except OSError as e:
+            raise NVMeError(e.errno, f"offload_optimizer: reading the optimizer state from NVMe failed at step "
+                                     f"{self.step_count} ({e.strerror}); the step is incomplete: restore "
+                                     f"from a checkpoint") from e
+        if self.store is not None and self.store.errors:
+            i, e = self.store.errors[0]
+            held = sum(_nbytes(t) for t in self.store.dirty.values())
+            self._error = NVMeError(e.errno, f"offload_optimizer: writing the optimizer state to "
+                                             f"{self.store.directory!r} failed ({e.strerror}) for "
+                                             f"{len(self.store.errors)} of {len(order)} units. The step completed: "
+                                             f"their new state ({held / 1e6:.1f} MB) is held in RAM and written at "
+                                             f"the next step; training state is intact. Free disk space")
+
+    def _update(self, p, g, moments, lr):
+        m = self.math
+        fused = FUSED.get(self.kind)
+        if fused is not None:
+            step = torch.tensor(float(self.step_count))
+            fused([p], [g], [moments[0]], [moments[1]], [], [step], lr=lr, beta1=m.betas[0], beta2=m.betas[1],
+                  weight_decay=m.weight_decay, eps=m.eps, amsgrad=False, maximize=False)
+        elif self.kind == "sgd":
+            m._sgd(p, g, moments[0] if moments else None, lr)
+        else:
+            m._adam(p, g, moments[0], moments[1], lr)
+
+    def edit_master(self, i: int, changed: torch.Tensor, new: torch.Tensor) -> None:
+        """Parameters edited outside training (``gathered_parameters(modifier_rank=...)``): the
+        fp32 master takes the edited 16-bit values where they changed."""
+        for k, (j, a, b) in enumerate(self.pieces):
+            if j == i and bool(changed[a:b].any()):
+                chunk = self.store.read_now(k) if self.store else self.chunks[k]
+                chunk[: b - a][changed[a:b]] = new[a:b][changed[a:b]].float()
+                if self.store:
+                    self.store.write_now(k, chunk)
+
+    def take_error(self):
+        e, self._error = self._error, None
+        return e
+
+    # ---------------------------------------------------------------- inspection
+    def fp32_shards(self) -> list[torch.Tensor]:
+        """The fp32 values of the rank's shard, one tensor per unit (the master, or the fp32 params)."""
+        if not self.has_master:
+            return list(self.targets)
+        pieces = [self.store.read_now(k)[:n] if self.store else self.chunks[k][:n] for k, n in enumerate(self.sizes)]
+        out = [[] for _ in self.targets]
+        for (i, _, _), t in zip(self.pieces, pieces):
+            out[i].append(t)
+        return [torch.cat(ts) if len(ts) > 1 else ts[0] for ts in out]
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+class OffloadMixin:
+    """Put in front of a stage engine class: the optimizer becomes an ``OffloadOptimizer``."""
+
+    def build_optimizer(self) -> None:
+        z = self.config.zero
+        self.master = None   # no device master: the engine's own master->params copy is skipped
+        self.targets = [self.own(self.flat.flat, u) for u in self.flat.units]
+        self.optimizer = OffloadOptimizer(self.config.optimizer.type, self.config.optimizer.params, self.targets,
+                                          self.precision.has_master, z.offload_optimizer, self.rank,
+                                          z.sub_group_size)
+
+    def step(self) -> None:
+        super().step()
+        error = self.optimizer.take_error()
+        if error is not None:
+            raise error
+
+    def memory(self):
+        r = super().memory()
+        r.host += self.optimizer.host_bytes()
+        r.nvme += self.optimizer.nvme_bytes()
+        r.buffers += self.optimizer.staging_bytes()
+        return r
+
+    def full_state_dict(self) -> dict:
+        saved = self.targets
+        self.targets = self.optimizer.fp32_shards()
+        try:
+            return super().full_state_dict()
+        finally:
+            self.targets = saved
+
+    def _repartition(self, units, src: int) -> None:
+        """Stage 3's modifier_rank edits: also into the offloaded fp32 master."""
+        before = [self.targets[i].clone() for i in units] if self.precision.has_master else []
+        super()._repartition(units, src)
+        for i, old in zip(units, before):
+            self.optimizer.edit_master(i, self.targets[i] != old, self.targets[i])
+
+    def close(self) -> None:
+        super().close()
+        self.optimizer.close()
+
+
+_CLASSES: dict = {}
+
+
+def offload_engine(cls, zero=None):
+    """``cls`` with optimizer offload (one class per stage, cached); ``zero``: the config's
+    zero_optimization section (parameter offload adds its mixin at stage 3)."""
+    mixins = []
+    if zero is None or zero.offload_optimizer.device != "none":
+        mixins.append(OffloadMixin)
+    if zero is not None and zero.offload_param.device != "none":
+        from .param_offload import ParamOffloadMixin
+        mixins.append(ParamOffloadMixin)
+    key = (cls, tuple(mixins))
+    if key not in _CLASSES:
+        name = "".join(m.__name__.replace("Mixin", "") for m in mixins) + cls.__name__
+        _CLASSES[key] = type(name, (*mixins, cls), {})
+    return _CLASSES[key]
