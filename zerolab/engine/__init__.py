@@ -9,6 +9,7 @@ with ``prefetch``'s unit trace).
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -35,8 +36,8 @@ def initialize(model: nn.Module, config, link=None) -> Engine:
     what the engine cannot do, before touching the model.
     """
     cfg = Config.from_any(config)
-    if link is not None:
-        cfg.link = link
+    if link is not None:  # a simulated link (zerolab.network) for this engine only
+        cfg = dataclasses.replace(cfg, link=link)
     communicator = make_communicator(cfg.link)
     cfg = cfg.with_world_size(communicator.world_size)
     _check_supported(model, cfg)
