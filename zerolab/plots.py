@@ -51,8 +51,16 @@ def _get(obj, name):
 
 
 def gb_label(gb: float) -> str:
-    """'2,830 GB', '31.4 GB', '1.88 GB': GB values as the book prints them."""
-    return f"{gb:,.0f} GB" if gb >= 100 else f"{gb:.3g} GB"
+    """'31.4 GB', '2,830 GB', '1.56 PB', '781 MB': sizes given in GB, as the book prints them."""
+    if gb >= 1e6:
+        return f"{gb / 1e6:.3g} PB"
+    if gb >= 1e4:
+        return f"{gb / 1e3:.3g} TB"
+    if gb >= 100:
+        return f"{gb:,.0f} GB"
+    if 0 < gb < 1:
+        return f"{gb * 1e3:.3g} MB"
+    return f"{gb:.3g} GB"
 
 
 def _label_bars(ax, xs, totals, fmt="{:.3g}"):
