@@ -5,6 +5,10 @@ DeepSpeed's NVMe offload needs libaio; ours uses ordinary positioned I/O
 the GIL, so a small thread pool gives asynchronous reads and writes that
 overlap with the CPU optimizer step.
 
+    MappedFile(dir, nbytes) a SwapFile mapped into memory (stage 3's parameter
+                            shard): the kernel pages units in when they are
+                            gathered (``willneed`` = read-ahead) and we hand
+                            the pages back afterwards (``release``)
     SwapFile(dir, nbytes)   one file per rank and tier, created, *unlinked at
                             once* (the open descriptor keeps the data alive, so
                             nothing is left behind even if the rank is killed),
@@ -21,6 +25,7 @@ state really leaves RAM. A directory on tmpfs/ramfs *is* RAM: we warn.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import tempfile
 import warnings
@@ -218,4 +223,43 @@ class ChunkStore:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self.file.close()
+
+
+class MappedFile:
+    """A SwapFile mapped with MAP_SHARED: a tensor whose pages live on disk until touched."""
+
+    def __init__(self, directory: str, nbytes: int, tag: str = "params", key: str = "offload"):
+        self.file = SwapFile(directory, max(nbytes, 1), tag, key)
+        self.directory, self.nbytes = directory, nbytes
+        self.map = mmap.mmap(self.file.fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+
+    def tensor(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """(numel,) tensor over the mapping (its storage is the file)."""
+        return torch.frombuffer(self.map, dtype=dtype, count=numel)
+
+    def _pages(self, start: int, end: int):
+        a = start // mmap.PAGESIZE * mmap.PAGESIZE
+        return a, min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, len(self.map)) - a
+
+    def willneed(self, start: int, end: int) -> None:
+        """Ask the kernel to read bytes [start, end) ahead, asynchronously (prefetch)."""
+        a, n = self._pages(start, end)
+        if n > 0:
+            self.map.madvise(mmap.MADV_WILLNEED, a, n)
+
+    def release(self, start: int = 0, end: int | None = None) -> None:
+        """Write bytes [start, end) back and drop their pages from this process (RSS goes down)."""
+        a, n = self._pages(start, self.nbytes if end is None else end)
+        if n > 0:
+            self.map.flush(a, n)
+            self.map.madvise(mmap.MADV_DONTNEED, a, n)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self.file.fd, a, n, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:  # a tensor still views the mapping: the kernel unmaps it at exit
+            pass
         self.file.close()
