@@ -202,3 +202,16 @@ def test_prefetch_issues_the_next_unit_before_it_is_needed():
     bwd = lambda ev, name, i: max(k for k, e in enumerate(ev) if e == (name, i))
     assert bwd(on, "gather-issued", first) < bwd(on, "unit-bwd-end", second)
     assert bwd(off, "gather-issued", first) > bwd(off, "unit-bwd-end", second)
+
+
+def test_timeline_spans_pair_events_into_lanes():
+    from zerolab.engine import timeline
+    events = [("gather-issued", 1, 0.0), ("gather-issued", 2, 0.1), ("gather-done", 1, 0.2),
+              ("unit-fwd-start", 1, 0.2), ("gather-done", 2, 0.3), ("unit-fwd-end", 1, 0.5), ("release", 1, 0.5),
+              ("reduce-issued", 0, 0.6), ("backward-end", -1, 0.7), ("reduce-done", 0, 0.8)]
+    assert timeline.spans(events) == [("all-gather", 0.0, 0.2, "all-gather"), ("all-gather", 0.1, 0.3, "all-gather"),
+                                      ("forward", 0.2, 0.5, "compute"), ("reduce-scatter", 0.6, 0.8, "reduce-scatter")]
+    rows, labels = timeline.lanes([events, []])
+    assert labels == ["rank 0 compute", "rank 0 all-gather", "rank 0 reduce-scatter",
+                      "rank 1 compute", "rank 1 all-gather", "rank 1 reduce-scatter"]
+    assert rows[0] == [("forward", 0.2, 0.5)] and rows[3:] == [[], [], []]

@@ -195,8 +195,8 @@ class Stage3Engine(Stage2Engine):
                 if self._tracing:
                     self.trace.start()
                     self._grads_left = list(self._n_params)
-            self.event("forward-start" if root else "unit-fwd-start", index)
             self._use(units)
+            self.event("forward-start" if root else "unit-fwd-start", index)   # compute starts now
 
         def post_forward(_, args, output):
             self.event("forward-end" if root else "unit-fwd-end", index)
@@ -210,9 +210,9 @@ class Stage3Engine(Stage2Engine):
                     self._done_with(i)
 
         def pre_backward(_grad):
+            self._use(units)
             if not root:
                 self.event("unit-bwd-start", index)
-            self._use(units)
 
         return [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward)]
 
