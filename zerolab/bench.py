@@ -14,8 +14,8 @@ the highest resident set while it is built and trained (VmHWM,
 ``measure.PeakMeter("hwm")``), *held* = what stays resident after its last
 step, both above the resident set just before it was built. Resident, not
 allocated: DeepSpeed's up-front ``reduce_bucket_size`` buffer (5e8 elements
-by default) is never touched on CPU and does not count. Bytes per step: our ledger; the peers' from the ring formulas.
-After the last step every contender's full parameters are compared with the
+by default) is never touched on CPU and does not count. Bytes per step: our
+ledger; the peers' from the ring formulas. After the last step every contender's full parameters are compared with the
 first contender's (max abs difference): all of them do the same maths.
 
 ``--overlap`` times only our engine: ``overlap_comm`` off and on (stage 3:
@@ -29,9 +29,10 @@ import os
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from . import bench_peers as bp
+from .bench_report import ratios, speedups  # noqa: F401 - summaries of one world size
 
 SCHEMA = "zerolab-bench/1"
 
@@ -214,31 +215,6 @@ def _preload(kinds) -> None:
         warnings.simplefilter("ignore")
         for m in mods:
             importlib.import_module(m)
-
-
-def ratios(world: dict) -> list[dict]:
-    """ours / peer median step time, per stage, from the same run."""
-    rows = {r["key"]: r for r in world["contenders"]}
-    out = []
-    for r in world["contenders"]:
-        ours = rows.get(f"ours-{r['stage']}")
-        if r["kind"] != "ours" and ours is not None:
-            out.append(dict(stage=r["stage"], peer=r["label"], peer_key=r["key"], ours_ms=ours["median_ms"],
-                            peer_ms=r["median_ms"], ratio=ours["median_ms"] / r["median_ms"],
-                            cpu_ratio=ours["cpu_ms"] / r["cpu_ms"]))
-    return out
-
-
-def speedups(world: dict) -> list[dict]:
-    """--overlap: serial / overlapped median step time per stage and link."""
-    rows = {r["key"]: r for r in world["contenders"]}
-    out = []
-    for r in world["contenders"]:
-        if "-overlap-" in r["key"]:
-            serial = rows[r["key"].replace("-overlap-", "-serial-")]
-            out.append(dict(stage=r["stage"], link=r["link"] or "loopback", serial_ms=serial["median_ms"],
-                            overlap_ms=r["median_ms"], speedup=serial["median_ms"] / r["median_ms"]))
-    return out
 
 
 def bench(world_sizes=(2, 4), stages=(0, 1, 2, 3), steps=2, repeats=10, model="small", out="build/bench",

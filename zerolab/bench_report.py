@@ -7,6 +7,31 @@ import os
 MB = 1e6
 
 
+def ratios(world: dict) -> list[dict]:
+    """ours / peer median step time, per stage, from the same run."""
+    rows = {r["key"]: r for r in world["contenders"]}
+    out = []
+    for r in world["contenders"]:
+        ours = rows.get(f"ours-{r['stage']}")
+        if r["kind"] != "ours" and ours is not None:
+            out.append(dict(stage=r["stage"], peer=r["label"], peer_key=r["key"], ours_ms=ours["median_ms"],
+                            peer_ms=r["median_ms"], ratio=ours["median_ms"] / r["median_ms"],
+                            cpu_ratio=ours["cpu_ms"] / r["cpu_ms"]))
+    return out
+
+
+def speedups(world: dict) -> list[dict]:
+    """--overlap: serial / overlapped median step time per stage and link."""
+    rows = {r["key"]: r for r in world["contenders"]}
+    out = []
+    for r in world["contenders"]:
+        if "-overlap-" in r["key"]:
+            serial = rows[r["key"].replace("-overlap-", "-serial-")]
+            out.append(dict(stage=r["stage"], link=r["link"] or "loopback", serial_ms=serial["median_ms"],
+                            overlap_ms=r["median_ms"], speedup=serial["median_ms"] / r["median_ms"]))
+    return out
+
+
 def _mb(values) -> str:
     vals = [v for v in values if v is not None]
     return f"{max(vals) / MB:.1f}" if vals else "-"
