@@ -19,7 +19,7 @@ ADAM = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 
 @pytest.mark.parametrize("extra, match", [
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
     ({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}}, "ZeRO\\+\\+"),
     ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "amsgrad": True}}}, "amsgrad"),
 ])
