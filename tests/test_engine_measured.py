@@ -11,7 +11,7 @@ import torch.distributed as dist
 import zerolab as zl
 from zerolab.measure import census
 from zerolab.theory import bytes_per_param
-from zerolab.models import TinyGPT, loss_fn, synthetic_batch
+from zerolab.models import MLP, TinyGPT, loss_fn, synthetic_batch
 
 PRECISIONS = {"fp32": {}, "mixed": {"bf16": {"enabled": True}},
               "mixed_fp32_grads": {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}}
@@ -40,9 +40,9 @@ def memory_worker(cases, with_census):
     out = []
     for stage, prec, bucket in cases:
         base = settled_census() if with_census else 0  # what this (forked) process held before the model
-        model = TinyGPT.preset("micro", seed=1)
+        model = TinyGPT.preset("micro", seed=1) if bucket else MLP(frozen=True, unused=True, buffer=True)
         engine = zl.initialize(model, {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-                                       "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
+                                       "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket or 700},
                                        **PRECISIONS[prec]})
         x, y = synthetic_batch(model, 2 * n, seed=3, rank=rank, world_size=n)
         loss = loss_fn(engine(x), y)
@@ -153,3 +153,11 @@ def test_reduce_scatter_false_all_reduces_and_trains_the_same(stage):
     assert ar["all_reduce"] == rounds * 2 * padded * 4 * (n - 1) // n and "reduce_scatter" not in ar
     for k in sd_rs:
         torch.testing.assert_close(sd_ar[k], sd_rs[k], rtol=1e-5, atol=1e-6)
+
+
+def test_census_agrees_on_a_model_with_frozen_params_buffers_and_unused_params():
+    """Frozen params count as params, the model's buffers as buffers; nothing is missed."""
+    cases = [(s, p, 0) for s in (0, 1, 2) for p in ("fp32", "mixed")]
+    for rank_results in zl.launch(memory_worker, world_size=2, args=(cases, True), timeout=300, threads=1):
+        for case, (mem, held, psi, padded) in zip(cases, rank_results):
+            assert mem["buffers"] > 0 and held == mem["total"] + mem["buffers"], (case, held, mem)
