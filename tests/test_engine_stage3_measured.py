@@ -84,20 +84,22 @@ def by_kind(padded, n, dtype_bytes, gas) -> dict:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_ledger_bytes_are_3psi(n):
-    plain = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
-    cases = [("fp32", 1, plain), ("mixed", 2, plain), ("mixed_fp32_grads", 1, {**plain, "stage3_prefetch_bucket_size": 0}),
+    # nothing persistent or reused; no prefetch either (it keeps units whose next use is in its window)
+    plain = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+    cases = [("fp32", 1, plain), ("mixed", 2, plain), ("mixed_fp32_grads", 1, plain),
              ("fp32", 1, {"stage3_param_persistence_threshold": 0}),     # reuse: forward's gathers kept
-             ("fp32", 1, {"stage3_param_persistence_threshold": 500, "stage3_max_reuse_distance": 0})]
+             ("fp32", 1, {**plain, "stage3_prefetch_bucket_size": 10**9}),   # a window covering everything too
+             ("fp32", 1, {**plain, "stage3_param_persistence_threshold": 500})]
     for rank_results in zl.launch(comm_worker, world_size=n, args=(cases,), timeout=300, threads=1):
         for (prec, gas, zero), (by_op, padded, units) in zip(cases, rank_results):
             pb, gb = (4, 4) if prec == "fp32" else (2, 2) if prec == "mixed" else (2, 4)
             theory, grads = by_kind(padded, n, pb, gas), by_kind(padded, n, gb, gas)
-            if zero is plain or zero.get("stage3_prefetch_bucket_size") == 0:
+            if zero is plain:
                 assert by_op == {"all_gather": theory["all_gather"], "reduce_scatter": grads["reduce_scatter"]}
                 if pb == gb:   # 3Ψ(N-1)/N per micro-batch: 1.5x DDP's 2Ψ(N-1)/N
                     assert sum(by_op.values()) == zl.comm_volume(padded, n, 3, pb, gas) \
                         == 3 * gas * padded * pb * (n - 1) // n
-            elif "stage3_max_reuse_distance" not in zero:   # each unit gathered once, kept for backward
+            elif zero.get("stage3_param_persistence_threshold", 0) == 0:   # each unit gathered once, kept
                 assert by_op["all_gather"] == theory["all_gather"] // 2
             else:   # persistent params: never gathered per unit, all-gathered once after the step
                 pers = units["persistent"]
@@ -190,18 +192,46 @@ def test_prefetch_issues_the_next_unit_before_it_is_needed():
     off, on = (zl.launch(timeline_worker, world_size=2, args=(p,), threads=1)[0] for p in (0, 10**9))
     blocks = sorted({i for name, i in on if name == "unit-fwd-start"})
     assert len(blocks) == 2
-    for ev in (on, off):   # each unit: gathered for forward, released, gathered for backward, released
-        for i in blocks:
-            assert [name for name, j in ev if j == i and name in ("gather-issued", "release")] == \
-                ["gather-issued", "release"] * 2
+    for i in blocks:   # no prefetch: each unit gathered for forward, released, gathered for backward, released
+        assert [name for name, j in off if j == i and name in ("gather-issued", "release")] == \
+            ["gather-issued", "release"] * 2
+    # prefetch with a window covering the whole step: every next use is seen, nothing released until the end
+    assert [name for name, j in on if j == blocks[0] and name in ("gather-issued", "release")] == \
+        ["gather-issued", "release"]
     first, second = blocks
     # prefetch on: the second block's all-gather goes out before the first block computes
     assert on.index(("gather-issued", second)) < on.index(("unit-fwd-start", first))
     assert off.index(("gather-issued", second)) > off.index(("unit-fwd-end", first))
-    # backward: the first block's gather goes out before the second block's backward ends
-    bwd = lambda ev, name, i: max(k for k, e in enumerate(ev) if e == (name, i))
-    assert bwd(on, "gather-issued", first) < bwd(on, "unit-bwd-end", second)
-    assert bwd(off, "gather-issued", first) > bwd(off, "unit-bwd-end", second)
+    # no prefetch: the first block's backward gather waits until the second block's backward is done
+    last = lambda ev, name, i: max(k for k, e in enumerate(ev) if e == (name, i))
+    assert last(off, "gather-issued", first) > last(off, "unit-bwd-end", second)
+
+
+def window_worker():
+    rank = dist.get_rank()
+    model, engine = engine_for({"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                                "stage3_prefetch_bucket_size": 1}, preset="tiny", zerolab={"trace": True})
+    block = engine.flat.units[1].padded
+    engine.prefetch_elements = block   # one block ahead
+    for step in range(2):
+        engine.events.clear()
+        x, y = synthetic_batch(model, 4, seed=3, step=step, rank=rank, world_size=2)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    return [(name, i) for name, i, _ in engine.events], [u.name for u in engine.flat.units]
+
+
+def test_prefetch_one_block_ahead_in_forward_and_backward():
+    ev, names = zl.launch(window_worker, world_size=2, threads=1)[0]
+    b = [names.index(f"blocks.{k}") for k in range(4)]
+    for k in range(3):   # forward: block k+1's gather is issued once block k starts, before it computes
+        assert ev.index(("gather-done", b[k])) < ev.index(("gather-issued", b[k + 1])) < ev.index(("unit-fwd-start", b[k]))
+    # the last block's backward use is beyond a one-block window (rest comes first): released, gathered again
+    assert [n for n, i in ev if i == b[3] and n in ("gather-issued", "release")] == ["gather-issued", "release"] * 2
+    # backward: block k-1 is gathered again while block k computes its backward
+    last = lambda name, i: max(k for k, e in enumerate(ev) if e == (name, i))
+    for k in (3, 2, 1):
+        assert last("gather-done", b[k]) < last("gather-issued", b[k - 1]) < last("unit-bwd-end", b[k])
 
 
 def test_timeline_spans_pair_events_into_lanes():

@@ -82,7 +82,7 @@ class Stage3Engine(Stage2Engine):
         self.max_live, self.max_reuse = z.stage3_max_live_parameters, z.stage3_max_reuse_distance
         self.debug = cfg.debug
         self._empty = torch.empty(0, dtype=self.param_shard.dtype, device=self.param_shard.device)
-        self._gathered, self._inflight, self._ahead = set(), {}, set()
+        self._gathered, self._inflight, self._ahead, self._keep = set(), {}, set(), set()
         self._tracing = False
         self.live_elements = 0   # elements of gathered or in-flight units (not persistent)
         for i in range(len(units)):
@@ -145,28 +145,39 @@ class Stage3Engine(Stage2Engine):
         self._full[i].untyped_storage().resize_(0)
         self._gathered.discard(i)
         self._ahead.discard(i)
+        self._keep.discard(i)
         self.live_elements -= self.flat.units[i].padded
         self.event("release", i)
 
     def prefetch(self) -> None:
         """All-gather the next units of the recorded order asynchronously, greedily and in
         order, while the elements gathered ahead stay within ``stage3_prefetch_bucket_size``
-        and all gathered elements within ``stage3_max_live_parameters``."""
+        and all gathered elements within ``stage3_max_live_parameters``. A gathered unit whose
+        next use is inside that window is kept until then (as DeepSpeed does): released and
+        gathered again, its all-gather would queue behind the ones issued here."""
         if not self.prefetch_elements:
             return
         ahead = sum(self.flat.units[i].padded for i in self._ahead)
         for i in self.trace.upcoming():
-            if i in self._gathered or i in self._inflight:
-                continue
+            if i in self._ahead:
+                continue                      # prefetched already, counted in ahead
             n = self.flat.units[i].padded
-            if ahead + n > self.prefetch_elements or self.live_elements + n > self.max_live:
+            if ahead + n > self.prefetch_elements:
                 break
-            self._issue(i)
-            self._ahead.add(i)
+            if i in self._gathered:           # in use now (or kept): keep it for this next use
+                self._keep.add(i)
+            elif self.live_elements + n > self.max_live:
+                break
+            else:
+                self._issue(i)
+                self._ahead.add(i)
             ahead += n
 
     def _done_with(self, i: int) -> None:
-        """After a use: keep the unit if it is needed again soon (and fits), else release it."""
+        """After a use: keep the unit if prefetch saw its next use, or if that use is within
+        ``stage3_max_reuse_distance`` elements (and the gathered units fit); else release it."""
+        if i in self._keep:
+            return
         if self.trace.reuse_distance(i) >= self.max_reuse or self.live_elements > self.max_live:
             self.release_params(i)
 
@@ -175,6 +186,7 @@ class Stage3Engine(Stage2Engine):
             for i in units:
                 self.trace.use(i)
                 self._ahead.discard(i)
+                self._keep.discard(i)
         self.gather_params(units)
         if self._tracing:
             self.prefetch()
