@@ -1,0 +1,58 @@
+"""Why optimizer offload is affordable and parameter offload costly: bandwidth arithmetic (chapter 7).
+
+Per rank, per optimizer step, mixed-precision Adam (2-byte params and grads,
+12-byte fp32 master + m + v), Ψ parameters, N ranks, ``gas`` micro-steps of
+``tokens`` tokens each. Every term is bytes / bandwidth, nothing overlapped:
+
+    compute          6 Ψ tokens gas / flops          forward + backward, every rank
+    optimizer "cpu"  PCIe:  2Ψ/N grads down + 2Ψ/N params up         once per step
+                     CPU:   read master, m, v, grad (16 B), write master, m, v,
+                            16-bit param (14 B): 30 Ψ/N bytes through host memory
+    optimizer "nvme" + read and write 12Ψ/N of state on the node's NVMe   once per step
+    params "cpu"     PCIe:  the 2Ψ/N shard up before the forward gather and again
+                            before the backward gather: 4Ψ/N            every micro-step
+    params "nvme"    the same 4Ψ/N read from NVMe, plus 2Ψ/N written per step
+
+Host memory and NVMe are shared by the ``gpus_per_node`` ranks of a node, so
+each rank gets 1/gpus_per_node of them. The optimizer terms do not grow with
+tokens or gas; the parameter terms grow with gas and do not shrink with more
+tokens per micro-step — which is the whole "when to offload" argument.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 10**9
+
+
+@dataclass
+class Hardware:
+    """Per-node bandwidths (bytes/s) and per-GPU compute (FLOP/s achieved)."""
+    flops: float = 312e12 * 0.4      # A100 bf16 peak x 40% utilisation
+    pcie: float = 25 * GB            # PCIe 4.0 x16, achieved host<->device per direction
+    host_memory: float = 150 * GB    # CPU memory bandwidth of the node (two sockets, achieved)
+    nvme: float = 6 * GB             # the node's NVMe read/write bandwidth (one PCIe 4.0 drive)
+    gpus_per_node: int = 8
+
+
+def offload_seconds(psi, n_gpus, tokens, gas=1, optimizer="none", params="none", hw: Hardware = Hardware()) -> dict:
+    """Seconds per optimizer step, by term, for one rank (see the module docstring)."""
+    shard = psi / n_gpus
+    host_bw, nvme_bw = hw.host_memory / hw.gpus_per_node, hw.nvme / hw.gpus_per_node
+    out = {"compute": 6 * psi * tokens * gas / hw.flops}
+    if optimizer != "none":
+        out["optimizer: PCIe (grads down, params up)"] = 4 * shard / hw.pcie
+        out["optimizer: CPU Adam (host memory)"] = 30 * shard / host_bw
+    if optimizer == "nvme":
+        out["optimizer: NVMe (state in and out)"] = 24 * shard / nvme_bw
+    if params == "cpu":
+        out["params: PCIe (shard up, fwd + bwd)"] = 4 * shard * gas / hw.pcie
+    elif params == "nvme":
+        out["params: NVMe (shard in, fwd + bwd)"] = (4 * shard * gas + 2 * shard) / nvme_bw
+    return out
+
+
+def slowdown(psi, n_gpus, tokens, gas=1, optimizer="none", params="none", hw: Hardware = Hardware()) -> float:
+    """Fraction of extra time over compute alone, if no transfer overlaps compute (an upper bound)."""
+    t = offload_seconds(psi, n_gpus, tokens, gas, optimizer, params, hw)
+    return (sum(t.values()) - t["compute"]) / t["compute"]
