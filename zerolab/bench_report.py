@@ -77,7 +77,7 @@ def text(result: dict) -> str:
     return "\n".join(parts)
 
 
-SHORT = {"ddp": "DDP", "zero_redundancy": "ZeroRedundancy-\nOptimizer", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed"}
+SHORT = {"ddp": "DDP", "zero_redundancy": "ZeroRedundancy\nOptimizer", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed"}
 
 
 def plot(result: dict, path: str) -> str | None:
@@ -101,7 +101,7 @@ def plot(result: dict, path: str) -> str | None:
         else:
             ax.bar(i, q["speedup"], 0.6, color=color, label=label)
     if key == "ratios":
-        names = [f"stage {q['stage']}\nvs {SHORT[q['peer_key'].split('-')[0]]}" for _, q in bars]
+        names = [f"stage {q['stage']}\nvs\n{SHORT[q['peer_key'].split('-')[0]]}" for _, q in bars]
         ylabel = "ours / peer step time\n(solid: wall median, hatched: CPU)"
     else:
         names = [f"stage {q['stage']}\n{q['link']}" for _, q in bars]
