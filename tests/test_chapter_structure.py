@@ -150,8 +150,13 @@ def structure_problems(path: Path) -> list[str]:
         if c["cell_type"] != "code":
             continue
         src = source(c)
-        answers = (start is not None and i > start) or MARKER in src
-        if not answers:
+        in_section = start is not None and i > start
+        if not in_section and MARKER not in src:
+            continue
+        if in_section and MARKER not in src:
+            problems.append(f"cell {i}: a code cell in '{INTERVIEW}' without the marker {MARKER!r}: the section "
+                            f"holds only questions and their collapsed answer cells (move set-up or clean-up "
+                            f"code above the section, or into an answer cell): {src.strip()[:50]!r}")
             continue
         if not is_collapsed(c):
             problems.append(f"cell {i}: computes an interview answer but is not collapsed "
@@ -222,7 +227,8 @@ def test_checker_accepts_a_good_chapter(tmp_path):
     ("text_after_answer", "outside the answer"),
     ("no_blank_line", "blank line"),
     ("not_collapsed", "not collapsed"),
-    ("no_marker", "must start with"),
+    ("no_marker", "without the marker"),
+    ("marker_not_first", "must start with"),
     ("no_folded", "folded"),
     ("numbering", "numbered"),
     ("too_few", "at least 3"),
@@ -248,6 +254,8 @@ def test_checker_catches(tmp_path, breakage, expected):
         cells[4]["metadata"] = {"jupyter": {"source_hidden": True}}
     elif breakage == "no_marker":
         cells[4]["source"] = "with folded('numbers'):\n    print(x)"
+    elif breakage == "marker_not_first":
+        cells[4]["source"] = "x = 2\n" + MARKER + "\nwith folded('numbers'):\n    print(x)"
     elif breakage == "no_folded":
         cells[4]["source"] = MARKER + "\nprint(x)"
     elif breakage == "numbering":
