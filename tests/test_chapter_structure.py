@@ -270,3 +270,11 @@ def test_marker_outside_the_interview_section_must_be_collapsed(tmp_path):
     cells = _good_cells()
     cells.insert(2, _cell("code", MARKER + "\nwith folded('n'):\n    print(2)"))
     assert any("not collapsed" in p for p in _problems(tmp_path, _nb(cells)))
+
+
+def test_stored_widget_state_and_execution_counts_fail(tmp_path):
+    nb = _nb(_good_cells())
+    nb["metadata"]["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    nb["cells"][2]["execution_count"] = 3
+    problems = _problems(tmp_path, nb)
+    assert any("widget state" in p for p in problems) and any("execution count" in p for p in problems), problems
