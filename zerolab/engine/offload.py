@@ -41,7 +41,7 @@ class OffloadOptimizer:
     """
 
     def __init__(self, kind, params, targets, has_master, off, rank=0, sub_group_size=10**9,
-                 key="zero_optimization.offload_optimizer"):
+                 grad_dtype=torch.float32, key="zero_optimization.offload_optimizer"):
         self.math = ShardedOptimizer(kind, params, [])   # validated hyper-parameters, torch.optim's maths
         self.kind, self.targets, self.has_master, self.device = kind, targets, has_master, off.device
         self.lr, self.step_count = self.math.lr, 0
@@ -55,12 +55,16 @@ class OffloadOptimizer:
         dev = targets[0].device if targets else torch.device("cpu")
         self.pin = bool(off.pin_memory) and torch.cuda.is_available() and dev.type == "cuda"
         self.async_copy = dev.type == "cuda"
+        # a CPU "device" is host memory already: fp32 gradients (and fp32 params) are used in place
+        self.grads_in_place = dev.type == "cpu" and grad_dtype == torch.float32
+        self.params_in_place = dev.type == "cpu" and not has_master
         big = max(self.sizes, default=0)
-        # grad staging: 2 x largest unit shard, fp32 (double buffer: one stepping, one arriving)
-        self.grad_stage = [torch.empty(big, dtype=torch.float32, pin_memory=self.pin) for _ in range(2)]
-        # fp32 only: the parameter shard comes back to the host for the step (2 x largest unit)
-        self.param_stage = [torch.empty(big if not has_master else 0, dtype=torch.float32, pin_memory=self.pin)
-                            for _ in range(2)]
+        # grad staging: 2 x largest piece, fp32 (double buffer: one stepping, one arriving)
+        self.grad_stage = [torch.empty(0 if self.grads_in_place else big, dtype=torch.float32, pin_memory=self.pin)
+                           for _ in range(2)]
+        # fp32 only: the parameter piece comes back to the host for the step (2 x largest piece)
+        self.param_stage = [torch.empty(0 if has_master or self.params_in_place else big, dtype=torch.float32,
+                                        pin_memory=self.pin) for _ in range(2)]
         chunks = [self.slots * n for n in self.sizes]
         if self.device == "nvme":
             path = check_nvme_path(off.nvme_path, key)
@@ -103,10 +107,15 @@ class OffloadOptimizer:
     def _fetch(self, k: int, grads, slot: int):
         """Start copying piece k's gradient (and fp32 parameter) shard to the host."""
         i, a, b = self.pieces[k]
-        g = self.grad_stage[slot][: b - a]
-        g.copy_(grads[i][a:b], non_blocking=self.async_copy)
+        if self.grads_in_place:
+            g = grads[i][a:b]      # scaled in place below, as the on-device step does
+        else:
+            g = self.grad_stage[slot][: b - a]
+            g.copy_(grads[i][a:b], non_blocking=self.async_copy)
         p = None
-        if not self.has_master:
+        if self.params_in_place:
+            p = self.targets[i][a:b]
+        elif not self.has_master:
             p = self.param_stage[slot][: b - a]
             p.copy_(self.targets[i][a:b], non_blocking=self.async_copy)
         ev = None
@@ -143,7 +152,8 @@ class OffloadOptimizer:
                 if self.has_master:
                     p, views = views[0], views[1:]
                 self._update(p, g, views, lr)
-                self.targets[i][a:b].copy_(p)     # host -> device: the updated shard (cast to compute dtype)
+                if not self.params_in_place:
+                    self.targets[i][a:b].copy_(p)     # host -> device: the updated piece (cast to compute dtype)
         except OSError as e:
             raise NVMeError(e.errno, f"offload_optimizer: reading the optimizer state from NVMe failed at step "
                                      f"{self.step_count} ({e.strerror}); the step is incomplete: restore "
@@ -208,7 +218,7 @@ class OffloadMixin:
         self.targets = [self.own(self.flat.flat, u) for u in self.flat.units]
         self.optimizer = OffloadOptimizer(self.config.optimizer.type, self.config.optimizer.params, self.targets,
                                           self.precision.has_master, z.offload_optimizer, self.rank,
-                                          z.sub_group_size)
+                                          z.sub_group_size, self.precision.grad_dtype)
 
     def step(self) -> None:
         super().step()
