@@ -88,7 +88,7 @@ def overlap_specs(stages, world_size: int, batch: int, bucket: int, link: str) -
             for overlap in (False, True):
                 if s == 3:  # stage 3's overlap is prefetch: the next unit's all-gather in flight
                     knobs, what = dict(overlap_comm=overlap, stage3_prefetch_bucket_size=bucket if overlap else 0), \
-                        "prefetch + overlap_comm"
+                        "prefetch+overlap"
                 else:
                     knobs, what = dict(overlap_comm=overlap), "overlap_comm"
                 cfg = bp.ds_config(s, micro, bucket=bucket, link=where, **knobs)

@@ -47,12 +47,13 @@ def world_table(result: dict, world: dict) -> str:
             + ("per row" if result["mode"] == "overlap" else
                {None: "default (off for stages 0-2)", True: "on", False: "off"}[s.get("overlap_comm")])
             + (f"; simulated link {s['link']} where named" if result["mode"] == "overlap" else ""))
-    lines = [head, f"{'contender':<46}{'median ms':>10}{'IQR ms':>12}{'CPU ms':>8}{'held MB':>9}{'peak MB':>9}"
+    width = max([46] + [len(r["label"]) + 1 for r in world["contenders"]])
+    lines = [head, f"{'contender':<{width}}{'median ms':>10}{'IQR ms':>12}{'CPU ms':>8}{'held MB':>9}{'peak MB':>9}"
                    f"{'16Ψ/N MB':>9}{'sent/step MB':>13}{'max|Δp|':>9}"]
     for r in world["contenders"]:
         iqr = f"{r['q1_ms']:.0f}-{r['q3_ms']:.0f}"
         sent = f"{r['bytes_per_step'] / MB:.2f}" + ("" if r["bytes_source"] == "ledger" else "*")
-        lines.append(f"{r['label'][:45]:<46}{r['median_ms']:>10.1f}{iqr:>12}{r['cpu_ms']:>8.0f}{_mb(r['held_bytes']):>9}"
+        lines.append(f"{r['label']:<{width}}{r['median_ms']:>10.1f}{iqr:>12}{r['cpu_ms']:>8.0f}{_mb(r['held_bytes']):>9}"
                      f"{_mb(r['peak_bytes']):>9}{r['states_theory_bytes'] / MB:>9.1f}{sent:>13}"
                      f"{r['max_abs_diff']:>9.0e}")
     if world.get("ratios"):
