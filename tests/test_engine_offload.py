@@ -157,3 +157,36 @@ def test_bad_offload_configs_are_refused(zero, match):
     with pytest.raises(zl.ConfigError, match=match):
         zl.initialize(TinyGPT.preset("micro", seed=1), {"optimizer": {"type": "Adam", "params": {}},
                                                         "zero_optimization": zero})
+
+
+def _stage3_run(path, oo, op, threshold=0, fp16_power=None, edit=False):
+    model = TinyGPT.preset("micro", key_bias=False, seed=1)
+    cfg = config(3, "mixed", oo, op, path)
+    cfg["gradient_accumulation_steps"] = 1
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+    if fp16_power is not None:
+        cfg.pop("bf16")
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": fp16_power}
+    engine = zl.initialize(model, cfg)
+    for s in range(4):
+        if edit and s == 2:   # rank 0 edits a block's weights in place (re-partitioned into the master)
+            with zl.gathered_parameters(engine, model.blocks[0], modifier_rank=0):
+                for p in model.blocks[0].parameters():
+                    p.data.mul_(0.5)
+        x, y = synthetic_batch(model, 2, seed=7, step=s)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    out = engine.full_state_dict(), engine.skipped_steps
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("kw", [{"threshold": 10**5}, {"fp16_power": 8}, {"fp16_power": 40}, {"edit": True}],
+                         ids=["persistent-params", "fp16", "fp16-overflow-skips", "modifier-rank-edit"])
+def test_stage3_extras_match_without_offload(tmp_path, kw):
+    ref, ref_skipped = _stage3_run(str(tmp_path), "none", "none", **kw)
+    assert (ref_skipped > 0) == (kw.get("fp16_power") == 40)
+    for oo, op in (("cpu", "none"), ("nvme", "nvme")):
+        got, skipped = _stage3_run(str(tmp_path), oo, op, **kw)
+        assert skipped == ref_skipped
+        assert max((got[k] - ref[k]).abs().max().item() for k in ref) <= 1e-5, (kw, oo, op)
