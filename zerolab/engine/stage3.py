@@ -102,7 +102,7 @@ class Stage3Engine(Stage2Engine):
                 m = model.get_submodule(u.name)
                 deps = sorted({self._unit_of[id(p)] for p in m.parameters() if id(p) in self._unit_of}
                               - self.persistent)
-                self._module_hooks += self._hook(m, deps, root=False)
+                self._module_hooks += self._hook(m, deps, root=False, index=i)
 
     # ---------------------------------------------------------------- gather, release, prefetch
     def gather_params(self, units) -> None:
@@ -197,8 +197,7 @@ class Stage3Engine(Stage2Engine):
                 self.release_params(i)
 
     # ---------------------------------------------------------------- hooks
-    def _hook(self, module: nn.Module, units: list, root: bool) -> list:
-        index = units[0] if units and not root else -1
+    def _hook(self, module: nn.Module, units: list, root: bool, index: int = -1) -> list:
 
         def pre_forward(_, args):
             if root:
