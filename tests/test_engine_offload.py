@@ -40,7 +40,7 @@ def train_worker(cases, path):
             engine = zl.initialize(model, config(c["stage"], c["prec"], c["oo"], c["op"], path, c.get("opt")))
             for step in range(STEPS):
                 for k in range(GAS):
-                    x, y = synthetic_batch(model, 2, seed=7, step=step * GAS + k, rank=rank, world_size=n)
+                    x, y = synthetic_batch(model, 2 * n, seed=7, step=step * GAS + k, rank=rank, world_size=n)
                     engine.backward(loss_fn(engine(x), y))
                     engine.step()
             finals.append(engine.full_state_dict())
@@ -65,9 +65,12 @@ def equivalence_cases():
     return cases
 
 
-def test_offloaded_runs_reach_the_same_parameters(tmp_path):
+@pytest.mark.parametrize("n", [2, 3])
+def test_offloaded_runs_reach_the_same_parameters(tmp_path, n):
     cases = equivalence_cases()
-    results = zl.launch(train_worker, world_size=2, args=(cases, str(tmp_path)), timeout=300, threads=1)
+    if n == 3:   # padding on every unit: a lean subset
+        cases = [c for c in cases if c["oo"] == "nvme" and c["prec"] == "mixed" and "opt" not in c]
+    results = zl.launch(train_worker, world_size=n, args=(cases, str(tmp_path)), timeout=300, threads=1)
     for case, (diff, moved, cls) in zip(cases, results[0]):
         assert moved > 1e-3, (case, "training did not move the parameters")
         assert diff <= 1e-5, (case, cls, diff)
