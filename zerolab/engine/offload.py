@@ -36,8 +36,10 @@ class OffloadOptimizer:
     """The optimizer of a rank's shard, held on the host ("cpu") or in a swap file ("nvme").
 
     ``targets``: the device tensors the step writes (the rank's parameter shard per unit,
-    compute dtype). State per unit is one fp32 chunk ``[master | m | v]`` (S elements each;
-    no master in fp32, where the device parameter is read back at each step instead).
+    compute dtype). Each unit's shard is cut into pieces of at most ``sub_group_size``
+    elements; the state of a piece of P elements is one fp32 chunk ``[master | m | v]`` (P
+    each; no master in fp32, where the device parameter itself is updated: read back to the
+    host and written again on an accelerator, in place on a CPU device).
     """
 
     def __init__(self, kind, params, targets, has_master, off, rank=0, sub_group_size=10**9,
@@ -105,7 +107,7 @@ class OffloadOptimizer:
 
     # ---------------------------------------------------------------- the step
     def _fetch(self, k: int, grads, slot: int):
-        """Start copying piece k's gradient (and fp32 parameter) shard to the host."""
+        """Start copying piece k's gradient (and, in fp32, its parameters) to the host."""
         i, a, b = self.pieces[k]
         if self.grads_in_place:
             g = grads[i][a:b]      # scaled in place below, as the on-device step does
