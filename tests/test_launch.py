@@ -19,6 +19,14 @@ from zerolab.launch import cpu_count
 PY = sys.executable
 
 
+def rank_processes():
+    """Our live child processes, less multiprocessing's long-lived helpers
+    (the forkserver and the resource tracker), which are not ranks."""
+    helpers = ("forkserver", "resource_tracker")
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(p.cmdline()) for h in helpers)]
+
+
 def _rank_info(x):
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)
@@ -33,7 +41,7 @@ def test_results_in_rank_order_and_threads(n):
     assert all(r[1] == n and r[2] == "hi" and r[3] == n * (n - 1) / 2 for r in res)
     assert all(r[4] == max(1, cores // n) for r in res)
     assert len({r[5] for r in res} | {os.getpid()}) == n + 1     # one process per rank
-    assert not psutil.Process().children(recursive=True)
+    assert not rank_processes()
 
 
 def _fail_on_rank(bad, n_steps):
@@ -55,7 +63,7 @@ def test_failing_rank_is_named_with_traceback_within_seconds():
     assert "ValueError: deliberate failure on rank 2" in info.value.remote_traceback
     assert "_fail_on_rank" in info.value.remote_traceback      # the rank's own frames
     assert elapsed < 5, elapsed
-    assert not psutil.Process().children(recursive=True)
+    assert not rank_processes()
 
 
 def _hang():
@@ -69,7 +77,7 @@ def test_hanging_rank_times_out_and_is_killed():
     with pytest.raises(zl.LaunchError, match=r"timed out after 1.5 s: rank\(s\) \[1\] of 2"):
         zl.launch(_hang, 2, timeout=1.5)
     assert time.monotonic() - t0 < 5
-    assert not psutil.Process().children(recursive=True)
+    assert not rank_processes()
 
 
 def _exit_hard():
@@ -81,7 +89,7 @@ def _exit_hard():
 def test_rank_that_dies_without_a_result():
     with pytest.raises(zl.LaunchError, match="rank 0 of 2 exited with code 3"):
         zl.launch(_exit_hard, 2, timeout=30)
-    assert not psutil.Process().children(recursive=True)
+    assert not rank_processes()
 
 
 def _chatty():
@@ -126,6 +134,19 @@ def test_twenty_launches_in_a_row():
         assert [r[2] for r in zl.launch(_rank_info, 2, args=(i,))] == [i, i]
 
 
+def _omp_work():
+    x = torch.randn(256, 256)
+    return torch.get_num_threads(), float((x @ x).sum() * 0)
+
+
+def test_multithreaded_ranks_do_not_hang_after_the_parent_used_openmp():
+    """GNU OpenMP hangs a forked child that uses >1 thread once the parent has
+    used its pool: such ranks must start from the forkserver instead."""
+    a = torch.randn(512, 512)
+    _ = a @ a                                        # the parent's OpenMP pool now exists
+    assert zl.launch(_omp_work, 1, threads=2, timeout=60) == [(2, 0.0)]
+
+
 def test_spawn_with_a_local_closure_serialised_by_value():
     offset = 41
 
@@ -147,7 +168,8 @@ SCRIPT = textwrap.dedent("""
             dist.all_reduce(t)
         return tag
     if __name__ == "__main__":
-        print(zl.launch(work, int(sys.argv[2]), args=(sys.argv[1], sys.argv[3])), flush=True)
+        method = sys.argv[4] if len(sys.argv) > 4 else "auto"
+        print(zl.launch(work, int(sys.argv[2]), args=(sys.argv[1], sys.argv[3]), start_method=method), flush=True)
 """)
 
 
@@ -184,11 +206,12 @@ def _gone(pids, timeout=5):
     return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
-def test_interrupt_or_killed_parent_leaves_no_orphans(tmp_path, sig):
+@pytest.mark.parametrize("sig,method", [(signal.SIGINT, "fork"), (signal.SIGKILL, "fork"),
+                                        (signal.SIGKILL, "forkserver")])
+def test_interrupt_or_killed_parent_leaves_no_orphans(tmp_path, sig, method):
     """SIGINT is what 'interrupt the kernel' sends; SIGKILL is a crashed kernel."""
     path = _script(tmp_path)
-    parent = subprocess.Popen([PY, str(path), "sleep", "3", str(tmp_path / "p_")],
+    parent = subprocess.Popen([PY, str(path), "sleep", "3", str(tmp_path / "p_"), method],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pids = _wait_for_pids(str(tmp_path / "p_"), 3)
     parent.send_signal(sig)

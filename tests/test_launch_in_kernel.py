@@ -16,9 +16,9 @@ CELLS = [
     "    return dist.get_rank(), t.tolist()",
     "print(zl.launch(worker, 2, args=(10,)))\nprint(zl.launch(worker, 4, args=(1,)))",
     "print(zl.launch(worker, 2, args=(1,), start_method='spawn', timeout=60))",
-    # spawn starts multiprocessing's resource tracker, a shared helper that is not a rank
+    # the resource tracker and a forkserver are multiprocessing's shared helpers, not ranks
     "print(len([p for p in psutil.Process().children(recursive=True)\n"
-    "           if 'resource_tracker' not in ' '.join(p.cmdline())]))",
+    "           if not any(h in ' '.join(p.cmdline()) for h in ('resource_tracker', 'forkserver'))]))",
 ]
 
 
