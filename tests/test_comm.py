@@ -149,3 +149,31 @@ def _single():
 
 def test_world_size_one_is_a_copy_with_zero_bytes():
     assert zl.launch(_single, 1) == [([0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], 0, 1)]
+
+
+def test_communicator_without_torch_distributed_is_one_local_rank():
+    assert not dist.is_initialized()
+    c = Communicator()
+    x, out = torch.arange(6.0), torch.empty(6)
+    c.reduce_scatter(out, x)
+    c.all_reduce(x, op="avg")
+    assert (c.rank, c.world_size) == (0, 1)
+    assert out.tolist() == x.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert c.ledger.total_bytes() == 0 and c.ledger.count() == 2
+
+
+def _uneven_chunks_dtype(dtype):
+    c = Communicator()
+    n = c.world_size
+    inp = (torch.arange(n * 3) + c.rank).to(dtype)
+    out = torch.empty(3, dtype=dtype)
+    c.reduce_scatter(out, inp, async_op=True).wait()
+    return out.float().tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reduce_scatter_list_form_values(dtype):
+    n = 3
+    res = zl.launch(_uneven_chunks_dtype, n, args=(dtype,))
+    for r, got in enumerate(res):
+        assert got == [float(sum(r * 3 + i + k for k in range(n))) for i in range(3)]

@@ -108,9 +108,18 @@ class Communicator:
     """Collectives over one process group, recorded in ``self.ledger``."""
 
     def __init__(self, group=None, link=None):
+        """The communicator of ``group`` (default: the whole world). Without an
+        initialised ``torch.distributed`` it is a one-rank communicator whose
+        collectives are local copies, so single-process code runs unchanged."""
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        local = not dist.is_initialized()
+        if local and group is not None:
+            raise ValueError("a process group was given, but torch.distributed is not initialised")
+        self.rank = 0 if local else dist.get_rank(group)
+        self.world_size = 1 if local else dist.get_world_size(group)
+        # gloo's reduce_scatter_tensor copies into a temporary and all-reduces; its
+        # list form works on views of the input and is faster (15 MB, 4 ranks: 57 vs 75 ms)
+        self._rs_list = not local and dist.get_backend(group) == "gloo"
         self.ledger = CommLedger(link=get_link(link))
         self._link_free_at = 0.0  # simulated link: when the channel is idle again
 
@@ -163,9 +172,12 @@ class Communicator:
         after = (lambda: output.div_(self.world_size)) if op == "avg" else None
         if self.world_size == 1:
             output.copy_(input.view_as(output))
-        return self._run("reduce_scatter", input,
-                         lambda a: _reduce_scatter(output, input, red, group=self.group, async_op=a),
-                         async_op, tag, after=after)
+        if self._rs_list:
+            call = lambda a: dist.reduce_scatter(output, list(input.chunk(self.world_size)), red,  # noqa: E731
+                                                 group=self.group, async_op=a)
+        else:
+            call = lambda a: _reduce_scatter(output, input, red, group=self.group, async_op=a)  # noqa: E731
+        return self._run("reduce_scatter", input, call, async_op, tag, after=after)
 
     def all_gather(self, output, input, async_op=False, tag=""):
         """Every rank's ``input`` (S elements) -> ``output`` (N*S) in rank order."""

@@ -29,20 +29,14 @@ from torch import nn
 
 from ..comm import CommLedger, Communicator
 from ..measure import MemoryReport
-from ..network import get_link
 from .flat import FlatParams, group_units
 from .optim import ShardedOptimizer, clip_coefficient, make_scheduler, sum_of_squares
 from .precision import DynamicLossScaler, local_overflow, precision_of
 
 
 def make_communicator(link=None) -> Communicator:
-    """The process group's communicator; a one-rank one when torch.distributed is not initialised."""
-    if dist.is_initialized():
-        return Communicator(link=link)
-    c = Communicator.__new__(Communicator)  # single process: every collective is a local copy
-    c.group, c.rank, c.world_size, c._link_free_at = None, 0, 1, 0.0
-    c.ledger = CommLedger(link=get_link(link))
-    return c
+    """The process group's communicator (one rank, local copies, when torch.distributed is not initialised)."""
+    return Communicator(link=link)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
