@@ -187,7 +187,7 @@ def test_two_launches_at_once_do_not_collide(tmp_path):
     assert outs == ["['job0', 'job0']", "['job1', 'job1']", "['job2', 'job2']"]
 
 
-def _wait_for_pids(prefix, n, timeout=20):
+def _wait_for_pids(prefix, n, timeout=120):  # a fresh interpreter imports torch: slow under load
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         files = [f"{prefix}{r}" for r in range(n)]

@@ -327,6 +327,10 @@ def _child_main(payload, rank, world_size, backend, workdir, timeout, threads, c
             store = dist.FileStore(os.path.join(workdir, "store"), world_size)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout))
+            # gloo may still be connecting to a peer when init returns: without this
+            # barrier a rank whose fn needs no collective can exit (closing its sockets)
+            # while a slower peer is still completing its mesh
+            dist.barrier()
             message = ("ok", fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - report everything, including SystemExit
             message = ("error", traceback.format_exc())
