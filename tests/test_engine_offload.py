@@ -53,10 +53,10 @@ def train_worker(cases, path):
 
 
 def equivalence_cases():
-    cases = [{"stage": s, "prec": p, "oo": d, "op": "none"}
-             for s in (1, 2, 3) for p in ("fp32", "mixed") for d in ("cpu", "nvme")]
-    cases += [{"stage": 3, "prec": p, "oo": oo, "op": op} for p in ("fp32", "mixed")
-              for oo, op in (("none", "cpu"), ("none", "nvme"), ("nvme", "nvme"))]
+    cases = [{"stage": s, "prec": "mixed", "oo": d, "op": "none"} for s in (1, 2, 3) for d in ("cpu", "nvme")]
+    cases += [{"stage": s, "prec": "fp32", "oo": d, "op": "none"} for s, d in ((1, "cpu"), (3, "nvme"))]
+    cases += [{"stage": 3, "prec": p, "oo": oo, "op": op}
+              for p, oo, op in (("fp32", "none", "nvme"), ("mixed", "none", "cpu"), ("mixed", "nvme", "nvme"))]
     cases += [{"stage": 2, "prec": "mixed", "oo": "cpu", "op": "none",
                "opt": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}}},
               {"stage": 1, "prec": "fp32", "oo": "nvme", "op": "none",
