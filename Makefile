@@ -9,6 +9,9 @@ STAMP  := $(VENV)/.zerolab-installed
 # any other version (or an open range) would download a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 PORT   ?= 8888
+# extra flags for `jupyter lab` (e.g. LAB_ARGS=--no-browser); root needs --allow-root
+LAB_ARGS ?=
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: venv lab test test-fast book grade bench gpu-check clean
 
@@ -23,7 +26,8 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --port=$(PORT) chapters/00_welcome.ipynb
+	$(VENV)/bin/jupyter lab --port=$(PORT) $(ROOT_FLAG) --ServerApp.root_dir="$(CURDIR)" \
+		--LabApp.default_url=/lab/tree/chapters/00_welcome.ipynb $(LAB_ARGS)
 
 # Unit and multi-process tests, every chapter under nbval, exercise grading, the browser test.
 test: $(STAMP)

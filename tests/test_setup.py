@@ -1,4 +1,5 @@
 """The set-up files agree with each other: environment.yml, pyproject.toml, Makefile, .ci/run."""
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -52,3 +53,40 @@ def test_every_chapter_in_the_readme_exists():
     assert listed, "README lists no chapters"
     missing = [c for c in listed if not (ROOT / "chapters" / c).exists()]
     assert not missing, f"README lists chapters that do not exist yet: {missing}"
+
+
+def test_make_lab_serves_the_book():
+    """`make lab` (the README's first command) really starts JupyterLab on the book."""
+    import signal
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["make", "-s", "lab", f"PORT={port}",
+                             "LAB_ARGS=--no-browser --ip=127.0.0.1 --IdentityProvider.token="],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline, body = time.monotonic() + 120, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                url = f"http://127.0.0.1:{port}/api/contents/chapters/00_welcome.ipynb?content=0"
+                body = urllib.request.urlopen(url, timeout=2).read().decode()
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert body is not None, f"JupyterLab did not come up:\n{proc.stdout.read() if proc.poll() is not None else ''}"
+        assert '"path": "chapters/00_welcome.ipynb"' in body or '"path":"chapters/00_welcome.ipynb"' in body
+        home = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
+        assert home.geturl().endswith("/lab/tree/chapters/00_welcome.ipynb")   # opens on chapter 0
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
