@@ -16,7 +16,12 @@ Gradient buckets (``reduce_bucket_size`` elements, whole units, last unit
 first) are reduced as soon as every parameter in them has its gradient, in
 bucket order on every rank, asynchronously when ``overlap_comm`` is on. When
 autograd returns, ``backward`` flushes buckets holding unused parameters and
-waits for what is in flight. Collectives *sum* gradients; the step multiplies
+waits for what is in flight. Each gradient hook first finishes the collectives
+that have already completed (a non-blocking poll), so a bucket's staging buffer
+is freed while backward is still running, not only at its end. That needs the
+backend to report completion: NCCL and gloo's all-reduce/all-gather do; gloo's
+reduce-scatter does not (its ``Work`` reports done only after ``wait``), so on
+gloo stage 1-2's reduce-scatter buffers still live until backward ends. Collectives *sum* gradients; the step multiplies
 by 1/N, 1/loss-scale and the clipping factor in one pass over the shard.
 """
 from __future__ import annotations
@@ -41,6 +46,17 @@ def make_communicator(link=None) -> Communicator:
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def _completed(handle) -> bool:
+    """True when an issued collective has finished (and a simulated link would have
+    delivered it), without blocking: gloo's ``Work.is_completed`` plus the link clock."""
+    if handle.done:
+        return True
+    work = handle._work
+    if work is not None and not work.is_completed():
+        return False
+    return time.perf_counter() >= handle._t_link_done
 
 
 def _cast_floats(x, dtype):
@@ -129,6 +145,23 @@ class Engine:
         else:
             self._pending.append((handle, finish, keep, index))
 
+    def _finish_completed(self) -> None:
+        """Finish the in-flight collectives that have completed, so their buffers (stage 2's
+        staging, stage 1's packing) are freed during backward rather than at its end."""
+        if not self._pending:
+            return
+        still = []
+        for entry in self._pending:
+            handle, finish, _, index = entry
+            if _completed(handle):
+                handle.wait()  # returns at once; books the ledger record
+                if finish is not None:
+                    finish()
+                self.event("reduce-done", index)
+            else:
+                still.append(entry)
+        self._pending = still
+
     def transient_bytes(self) -> int:
         """Bytes in staging buffers and in-flight temporaries right now."""
         storages = {t.untyped_storage().data_ptr(): _nbytes(t) for _, _, keep, _ in self._pending for t in keep}
@@ -174,6 +207,7 @@ class Engine:
                                "checkpointing?); its bucket may already be reduced. Use "
                                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
         self._fired.add(id(p))
+        self._finish_completed()  # overlap_comm: free what earlier collectives no longer need
         self.keep_grad(p)
         if self._reducing:
             i = self._bucket_of[id(p)]
