@@ -86,6 +86,13 @@ def test_smoke_params_agree_and_ledger_matches_theory(smoke):
             comm_volume(psi, 2, stage, dtype_bytes=4), rel=0.02)
 
 
+def test_theory_bytes_for_deepspeed_zero3_persistent_parameters():
+    full = bp.theory_bytes(1000, 2, 3, "fsdp2")
+    assert full == 3 * 1000 * 4 // 2                                   # 3Ψ(N-1)/N, fp32
+    assert bp.theory_bytes(1000, 2, 3, "deepspeed", persistent=1000) == 2 * 1000 * 4 // 2   # all whole
+    assert bp.theory_bytes(1000, 2, 3, "deepspeed", persistent=400) == (2 * 400 + 3 * 600) * 4 // 2
+
+
 def test_ds_config_is_plain_adam_without_clipping():
     cfg = bp.ds_config(2, 4, lr=5e-4)
     p = cfg["optimizer"]["params"]

@@ -86,7 +86,8 @@ def theory_bytes(psi: int, n: int, stage: int, kind: str, persistent: int = 0) -
     from .network import ring_bytes
     from .theory import comm_volume
     if kind == "deepspeed" and stage == 3 and persistent:
-        return comm_volume(persistent, n, 2, dtype_bytes=4) + comm_volume(psi - persistent, n, 3, dtype_bytes=4)
+        parts = ((persistent, 2), (psi - persistent, 3))
+        return sum(comm_volume(p, n, s, dtype_bytes=4) for p, s in parts if p > 0)
     if kind == "zero_redundancy":  # DDP all-reduce, then each rank broadcasts its shard of parameters
         shard = -(-psi // n) * 4
         return ring_bytes("all_reduce", psi * 4, n) + sum(ring_bytes("broadcast", shard, n, 0, src)
