@@ -256,15 +256,23 @@ class Engine:
             if self.shards_optimizer:
                 self.communicator.all_reduce(sq, tag="grad-norm")
             scale *= clip_coefficient(float(sq.sqrt()), self.config.gradient_clipping)
-        self.optimizer.step(grads, self.get_lr(), scale)
-        if self.master is not None:
-            torch._foreach_copy_([self.own(self.flat.flat, u) for u in self.flat.units], self.targets)
+        if isinstance(self.optimizer, ShardedOptimizer):  # unit by unit: stage 1 gathers while later units update
+            self.optimizer.step(grads, self.get_lr(), scale, after=self.unit_updated)
+        else:  # offload's optimizer updates in its own pieces
+            self.optimizer.step(grads, self.get_lr(), scale)
+            if self.master is not None:
+                torch._foreach_copy_([self.own(self.flat.flat, u) for u in self.flat.units], self.targets)
         self.after_update()
         self.zero_grads()
         self.global_steps += 1
         if self.scaler is not None:
             self.scaler.update(False)
         self.event("step-end")
+
+    def unit_updated(self, i: int) -> None:
+        """Unit ``i``'s update is done: copy its fp32 master into the 16-bit parameters."""
+        if self.master is not None:
+            self.own(self.flat.flat, self.flat.units[i]).copy_(self.targets[i])
 
     def _overflow(self, grads) -> bool:
         """fp16: inf/nan anywhere in any rank's shard -> every rank skips (all-reduce MAX)."""

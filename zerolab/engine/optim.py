@@ -81,9 +81,10 @@ class ShardedOptimizer:
         return sum(s.numel() * s.element_size() for s in self.state)
 
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor], lr: float, scale: float = 1.0) -> None:
+    def step(self, grads: list[torch.Tensor], lr: float, scale: float = 1.0, after=None) -> None:
         """One update of ``self.targets`` with ``scale * grads`` (same shapes, any float dtype;
-        fp32 grads are scaled in place). Unit by unit, so a temporary is one unit's size."""
+        fp32 grads are scaled in place). Unit by unit, so a temporary is one unit's size;
+        ``after(i)``, if given, runs as soon as unit ``i`` is updated (stage 1 starts its all-gather)."""
         self.step_count += 1
         views = [self._views(s) for s in self.state if s.numel()]
         for i, (p, g) in enumerate(zip(self.targets, grads)):
@@ -95,6 +96,8 @@ class ShardedOptimizer:
                 self._sgd(p, g, views[0][i] if views else None, lr)
             else:
                 self._adam(p, g, views[0][i], views[1][i], lr)
+            if after is not None:
+                after(i)
 
     def _adam(self, p, g, m, v, lr):
         b1, b2, wd = self.betas[0], self.betas[1], self.weight_decay

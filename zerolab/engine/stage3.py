@@ -246,6 +246,8 @@ class Stage3Engine(Stage2Engine):
                           stacklevel=2)
         self._tracing = False
 
+    gathers_params = False  # stage 1-2's all-gather after the step is what stage 3 drops
+
     def after_update(self) -> None:
         """Each rank updated its own shard, which is all it keeps: no all-gather, except for the
         persistent unit (small params kept whole), as in stage 2."""
