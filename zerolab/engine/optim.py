@@ -15,6 +15,13 @@ first step. The maths is torch.optim's, term for term:
     SGD    g += wd*p;  buf = g (first step) or momentum*buf + (1-dampening)*g;
            g = g + momentum*buf (nesterov) or buf;  p -= lr*g
 
+Adam and AdamW run torch's fused kernel (``torch._fused_adam_`` / ``_fused_adamw_``, what
+``torch.optim.Adam(fused=True)`` calls: one pass over p, g, m and v per unit, on CPU or
+CUDA) when every tensor is fp32 on one device, else the flat ops above. Same maths; the
+fused kernel orders its float operations differently, so results differ from the
+``foreach`` torch.optim in the last bit and equal ``fused=True`` bit for bit.
+Its step counter is one transient fp32 scalar per step, not per-parameter state.
+
 One difference from torch.optim: a parameter that got no gradient in a step
 (unused) has a zero gradient here, as in DDP, so weight decay still applies to
 it; torch.optim skips parameters whose ``.grad`` is None.
@@ -33,6 +40,10 @@ from __future__ import annotations
 import math
 
 import torch
+
+# torch's fused Adam kernels (torch.optim.Adam/AdamW(fused=True)); None where this torch lacks them
+FUSED_ADAM = {"adam": getattr(torch, "_fused_adam_", None), "adamw": getattr(torch, "_fused_adamw_", None)}
+FUSED_DEVICES = ("cpu", "cuda")
 
 
 class ShardedOptimizer:
@@ -87,17 +98,33 @@ class ShardedOptimizer:
         ``after(i)``, if given, runs as soon as unit ``i`` is updated (stage 1 starts its all-gather)."""
         self.step_count += 1
         views = [self._views(s) for s in self.state if s.numel()]
+        step_t = None   # the fused kernel reads t from a tensor: one fp32 scalar per step, transient
         for i, (p, g) in enumerate(zip(self.targets, grads)):
             if g.dtype != torch.float32:
                 g = g.float()                       # fp32 copy of a 16-bit gradient: one unit, transient
             if scale != 1.0:
-                g.mul_(scale)
+                g.mul_(scale)   # pre-scaled (exact as torch's g * (1/N) * clip); grad_scale divides: last bits differ
             if self.kind == "sgd":
                 self._sgd(p, g, views[0][i] if views else None, lr)
+            elif self.fusable(p, g, views[0][i]):
+                if step_t is None:
+                    step_t = torch.full((), float(self.step_count), dtype=torch.float32, device=p.device)
+                self.fused_adam(p, g, views[0][i], views[1][i], lr, step_t)
             else:
                 self._adam(p, g, views[0][i], views[1][i], lr)
             if after is not None:
                 after(i)
+
+    def fusable(self, p, g, m) -> bool:
+        """Whether torch's fused kernel can take this unit: fp32 everywhere, one CPU/CUDA device."""
+        return (FUSED_ADAM.get(self.kind) is not None and p.device.type in FUSED_DEVICES
+                and p.dtype == g.dtype == m.dtype == torch.float32 and p.device == g.device == m.device)
+
+    def fused_adam(self, p, g, m, v, lr, step_t):
+        """One Adam/AdamW update of p (and m, v) in one fused pass; ``step_t``: t as an fp32
+        scalar tensor on p's device (the kernel reads t, it does not advance it)."""
+        FUSED_ADAM[self.kind]([p], [g], [m], [v], [], [step_t], lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                              weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False)
 
     def _adam(self, p, g, m, v, lr):
         b1, b2, wd = self.betas[0], self.betas[1], self.weight_decay
