@@ -47,8 +47,11 @@ book: $(STAMP)
 grade: $(STAMP)
 	$(PY) -m zerolab grade exercises/*.ipynb
 
+# DeepSpeed is an optional extra (pip install zerolab[bench]); without it its rows are skipped.
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m zerolab bench --out build/bench
+	$(PY) -m zerolab.bench_offload
 
 # On a machine with CUDA GPUs: the nccl path end to end, one rank per GPU.
 gpu-check: $(STAMP)

@@ -229,7 +229,9 @@ def _replay_warnings(per_rank):
     seen = {}
     for rank, caught in enumerate(per_rank):
         for category, message, filename, lineno in caught or ():
-            seen.setdefault((category, message), [filename, lineno, []])[2].append(rank)
+            ranks = seen.setdefault((category, message), [filename, lineno, []])[2]
+            if rank not in ranks:  # a warning raised in a loop is one warning
+                ranks.append(rank)
     for (category, message), (filename, lineno, ranks) in seen.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         warnings.warn_explicit(f"[{who}] {message}", category, filename, lineno)
