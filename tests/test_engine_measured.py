@@ -9,25 +9,12 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab.measure import census
+from zerolab.measure import census, settled_census  # noqa: F401 (other tests import it from here)
 from zerolab.theory import bytes_per_param
 from zerolab.models import MLP, TinyGPT, loss_fn, synthetic_batch
 
 PRECISIONS = {"fp32": {}, "mixed": {"bf16": {"enabled": True}},
               "mixed_fp32_grads": {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}}
-
-
-def settled_census() -> int:
-    """census().total once it stops changing: gloo's worker threads may hold the last
-    collective's tensors for a moment after it completed (seen on a loaded 2-core machine)."""
-    last = census().total
-    for _ in range(20):
-        time.sleep(0.02)
-        now = census().total
-        if now == last:
-            return now
-        last = now
-    return last
 
 
 def memory_worker(cases, with_census):

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .measure import census
+from .measure import census, settled_census
 from .models import TinyGPT, loss_fn, synthetic_batch
 
 PRECISION_KEYS = {"fp32": {}, "mixed": {"bf16": {"enabled": True}},
@@ -64,18 +64,6 @@ def micro_batch(model, step, k, rank, n, gas, batch_per_rank, seed):
     return x[lo: lo + batch_per_rank], y[lo: lo + batch_per_rank]
 
 
-def _settled_census() -> int:
-    """census().total once it stops changing (gloo threads may hold a finished collective's tensors briefly)."""
-    last = census().total
-    for _ in range(20):
-        time.sleep(0.02)
-        now = census().total
-        if now == last:
-            return now
-        last = now
-    return last
-
-
 def train(config, preset="micro", steps=3, batch_per_rank=2, seed=7, model_seed=1, key_bias=False,
           check_census=False, watch_backward=False, state=True) -> dict:
     """Inside a launched rank: train with ``zl.initialize(model, config)``; return what was measured.
@@ -92,7 +80,7 @@ def train(config, preset="micro", steps=3, batch_per_rank=2, seed=7, model_seed=
     if check_census:
         gc.collect()
         gc.freeze()              # what this forked rank inherited leaves the census's walk
-        base = _settled_census()
+        base = settled_census()
     model = make_model(preset, model_seed, key_bias)
     engine = initialize(model, config)
     gas = engine.gas
@@ -124,7 +112,7 @@ def train(config, preset="micro", steps=3, batch_per_rank=2, seed=7, model_seed=
             if step == steps - 1 and k == gas - 1:      # between the last backward and its step
                 out["memory"] = engine.memory().as_dict()
                 if check_census:
-                    out["census"] = _settled_census() - base
+                    out["census"] = settled_census() - base
             engine.step()
         out["step_seconds"].append(time.perf_counter() - t0)
         out["records"].append([(r.op, r.bytes, r.numel, r.dtype, r.tag, r.seconds)

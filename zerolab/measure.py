@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 
@@ -139,6 +140,19 @@ def census(*, extra=(), include_grads: bool = True, classify=None, collect: bool
 
 
 # ---------------------------------------------------------------- memory report
+def settled_census(tries: int = 20, pause: float = 0.02) -> int:
+    """``census().total`` once it stops changing: gloo's worker threads may hold a
+    finished collective's tensors for a moment (seen on a loaded 2-core machine)."""
+    last = census().total
+    for _ in range(tries):
+        time.sleep(pause)
+        now = census().total
+        if now == last:
+            break
+        last = now
+    return last
+
+
 @dataclass
 class MemoryReport:
     """What one rank holds, in bytes (``engine.memory()``; chapter 1's Table 1).
