@@ -9,7 +9,8 @@ seed, so the same initial parameters) and the same DeepSpeed-style config
     runner.bytes_per_step    bytes this rank sends per step: our ledger, the peers' from theory
     runner.close()
 
-Every contender does the same maths: Adam (torch.optim.Adam's update, L2 weight
+Every contender does the same maths: Adam (torch.optim.Adam's update — the
+fused kernel for the torch peers, as ours uses — L2 weight
 decay 0), the same lr, fp32 everywhere. DeepSpeed's "Adam" is AdamW with
 weight decay unless ``"adam_w_mode": false, "weight_decay": 0``; with
 ``"torch_adam": true`` it uses ``torch.optim.Adam`` itself (its FusedAdam is a
@@ -172,7 +173,7 @@ class DDP(Runner):
         self.opt = self.make_optimizer()
 
     def make_optimizer(self):
-        return torch.optim.Adam(self.ddp.parameters(), lr=self.cfg["optimizer"]["params"]["lr"])
+        return torch.optim.Adam(self.ddp.parameters(), lr=self.cfg["optimizer"]["params"]["lr"], fused=True)
 
     def step(self, x, y):
         self.opt.zero_grad(set_to_none=True)
@@ -187,7 +188,7 @@ class ZeroRedundancy(DDP):
     def make_optimizer(self):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer(self.ddp.parameters(), optimizer_class=torch.optim.Adam,
-                                       lr=self.cfg["optimizer"]["params"]["lr"])
+                                       lr=self.cfg["optimizer"]["params"]["lr"], fused=True)
 
 
 class FSDP2(Runner):
@@ -199,7 +200,7 @@ class FSDP2(Runner):
         for block in self.model.blocks:
             fully_shard(block)
         fully_shard(self.model)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg["optimizer"]["params"]["lr"])
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg["optimizer"]["params"]["lr"], fused=True)
 
     def step(self, x, y):
         self.opt.zero_grad(set_to_none=True)
