@@ -292,7 +292,10 @@ class Engine:
 
     # ---------------------------------------------------------------- setup, inspection
     def _broadcast_initial_state(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers (as DDP does)."""
+        """Every rank starts from rank 0's parameters and buffers, as DDP does when it is built.
+        Unlike DDP's default (``broadcast_buffers=True``: rank 0's buffers again before every
+        forward), buffers are not sent again: each rank's BatchNorm statistics follow its own
+        data from here on (chapter 3)."""
         if self.world_size == 1:
             return
         c = self.communicator
