@@ -48,17 +48,6 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.untyped_storage().nbytes()
 
 
-def _completed(handle) -> bool:
-    """True when an issued collective has finished (and a simulated link would have
-    delivered it), without blocking: gloo's ``Work.is_completed`` plus the link clock."""
-    if handle.done:
-        return True
-    work = handle._work
-    if work is not None and not work.is_completed():
-        return False
-    return time.perf_counter() >= handle._t_link_done
-
-
 def _cast_floats(x, dtype):
     if isinstance(x, torch.Tensor):
         return x.to(dtype) if x.is_floating_point() else x
@@ -153,7 +142,7 @@ class Engine:
         still = []
         for entry in self._pending:
             handle, finish, _, index = entry
-            if _completed(handle):
+            if handle.is_completed():
                 handle.wait()  # returns at once; books the ledger record
                 if finish is not None:
                     finish()
