@@ -31,16 +31,12 @@ works both ways.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import warnings
 from datetime import timedelta
 from multiprocessing import connection, get_context
@@ -48,6 +44,8 @@ from multiprocessing import connection, get_context
 import cloudpickle
 import torch
 import torch.distributed as dist
+
+from .rank import child_main, log_path
 
 __all__ = ["launch", "LaunchError", "cpu_count", "choose_backend"]
 
@@ -124,7 +122,7 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
     if start_method == "fork":
         _prewarm()
     elif start_method == "forkserver":  # takes effect when the server first starts
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "cloudpickle", __name__])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "zerolab.rank"])
     workdir = tempfile.mkdtemp(prefix="zerolab-launch-")
     # fork shares the function as-is; spawn needs it serialised by value
     payload = (fn, args, kwargs) if start_method == "fork" else cloudpickle.dumps((fn, args, kwargs))
@@ -133,7 +131,7 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=_child_main, name=f"zerolab-rank{rank}", daemon=True,
+                target=child_main, name=f"zerolab-rank{rank}", daemon=True,
                 args=(payload, rank, world_size, backend, workdir, timeout, threads, child_end, os.getpid()))
             p.start()
             child_end.close()
@@ -250,13 +248,9 @@ def _terminate(procs, grace: float = 2.0):
             p.join(1.0)
 
 
-def _log_path(workdir, rank):
-    return os.path.join(workdir, f"rank{rank}.log")
-
-
 def _read_log(workdir, rank, limit=4000):
     try:
-        with open(_log_path(workdir, rank), errors="replace") as f:
+        with open(log_path(workdir, rank), errors="replace") as f:
             return f.read()[-limit:]
     except OSError:
         return ""
@@ -269,87 +263,6 @@ def _logs_tail(workdir, ranks):
         if text:
             parts.append(f"--- rank {r} output (last lines) ---\n{text}")
     return "\n".join(parts)
-
-
-def _die_with_parent(parent_pid):
-    """No orphans: a rank exits as soon as the process that launched it is gone.
-
-    Where that process is our direct parent (fork, spawn), the kernel sends
-    SIGKILL on its death (PR_SET_PDEATHSIG). A forkserver child's parent is
-    the server, so a watchdog thread also polls the launcher's pid."""
-    if os.getppid() == parent_pid:
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-        except OSError:  # pragma: no cover - not Linux
-            pass
-
-    def watch():
-        while _alive(parent_pid):
-            time.sleep(0.5)
-        os._exit(1)
-
-    if not _alive(parent_pid):
-        os._exit(1)
-    threading.Thread(target=watch, name="zerolab-watchdog", daemon=True).start()
-
-
-def _alive(pid):
-    """True while ``pid`` runs; a zombie (dead, not yet reaped) counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-
-
-def _child_main(payload, rank, world_size, backend, workdir, timeout, threads, conn, parent_pid):
-    _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C / kernel interrupt: the parent decides
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # die at once, even inside a C++ collective
-    # children never print into the notebook: stdout/stderr go to a per-rank file
-    log = os.open(_log_path(workdir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    sys.stdout.flush(), sys.stderr.flush()
-    os.dup2(log, 1), os.dup2(log, 2)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads))
-    torch.set_num_threads(threads)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # the parent de-duplicates; the fork may have a stale registry
-        try:
-            fn, args, kwargs = payload if isinstance(payload, tuple) else cloudpickle.loads(payload)
-            if backend == "nccl":
-                torch.cuda.set_device(rank % torch.cuda.device_count())
-            store = dist.FileStore(os.path.join(workdir, "store"), world_size)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=timeout))
-            # gloo may still be connecting to a peer when init returns: without this
-            # barrier a rank whose fn needs no collective can exit (closing its sockets)
-            # while a slower peer is still completing its mesh
-            dist.barrier()
-            message = ("ok", fn(*args, **kwargs))
-        except BaseException:  # noqa: BLE001 - report everything, including SystemExit
-            message = ("error", traceback.format_exc())
-        records = [(w.category, str(w.message), w.filename, w.lineno) for w in caught[:1000]]
-    try:
-        data = cloudpickle.dumps((*message, records, time.time()))
-    except Exception:  # an unpicklable result is a user error worth a clear message
-        data = cloudpickle.dumps(("error", "the result of fn could not be pickled:\n" + traceback.format_exc(),
-                                  records, time.time()))
-    # report first: after an error the peers may be stuck in a collective, and
-    # tearing the process group down could block; the parent kills them anyway
-    conn.send_bytes(data)
-    conn.close()
-    if message[0] == "ok" and dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)  # skip atexit/finalizers inherited from the parent (forked Jupyter kernel)
 
 
 def _run_in_torchrun(fn, args, kwargs, backend, timeout):
