@@ -158,7 +158,10 @@ def test_spawn_with_a_local_closure_serialised_by_value():
 
 
 SCRIPT = textwrap.dedent("""
-    import os, sys, time, torch, torch.distributed as dist, zerolab as zl
+    import os, signal, sys, time, torch, torch.distributed as dist, zerolab as zl
+    # a process started in the background by a non-interactive shell inherits SIGINT
+    # ignored; a Jupyter kernel always handles it: do the same here
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     def work(tag, pidfile):
         with open(pidfile + str(dist.get_rank()), "w") as f:
             f.write(str(os.getpid()))
