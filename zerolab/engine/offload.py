@@ -27,9 +27,7 @@ import torch
 
 from .base import _nbytes
 from .nvme import ChunkStore, NVMeError, check_nvme_path
-from .optim import ShardedOptimizer
-
-FUSED = {"adam": getattr(torch, "_fused_adam_", None), "adamw": getattr(torch, "_fused_adamw_", None)}
+from .optim import FUSED_ADAM, ShardedOptimizer
 
 
 class OffloadOptimizer:
@@ -171,7 +169,7 @@ class OffloadOptimizer:
 
     def _update(self, p, g, moments, lr):
         m = self.math
-        fused = FUSED.get(self.kind)
+        fused = FUSED_ADAM.get(self.kind)
         if fused is not None:
             step = torch.tensor(float(self.step_count))
             fused([p], [g], [moments[0]], [moments[1]], [], [step], lr=lr, beta1=m.betas[0], beta2=m.betas[1],
