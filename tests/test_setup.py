@@ -90,3 +90,10 @@ def test_make_lab_serves_the_book():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_every_public_name_resolves():
+    """zerolab's lazy export table names a module for each public name: each must exist there."""
+    import zerolab as zl
+    missing = [n for n in zl.__all__ if not hasattr(zl, n)]
+    assert not missing, f"zerolab.__all__ names that do not resolve: {missing}"

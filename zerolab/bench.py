@@ -101,7 +101,6 @@ def overlap_specs(stages, world_size: int, batch: int, bucket: int, link: str) -
 # ---------------------------------------------------------------- one rank
 def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
     """Runs on every rank: build all contenders, time them round-robin, cross-check parameters."""
-    import torch
     import torch.distributed as dist
     from .models import synthetic_batch
     warnings.filterwarnings("ignore", category=FutureWarning)      # gloo's renamed collectives

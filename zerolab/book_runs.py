@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .measure import census, settled_census
+from .measure import settled_census
 from .models import TinyGPT, loss_fn, synthetic_batch
 
 PRECISION_KEYS = {"fp32": {}, "mixed": {"bf16": {"enabled": True}},

@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
 from .network import Link, get_link, ring_bytes

@@ -29,7 +29,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..comm import CommLedger, Communicator

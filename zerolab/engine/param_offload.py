@@ -20,7 +20,6 @@ per micro-step in 16-bit — the arithmetic chapter 7 sets against NVMe bandwidt
 """
 from __future__ import annotations
 
-import torch
 
 from ..config import ConfigError
 from .base import _nbytes
