@@ -51,7 +51,7 @@ grade: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m zerolab bench --out build/bench
-	$(PY) -m zerolab.bench_offload
+	$(PY) -m zerolab.bench.offload
 
 # On a machine with CUDA GPUs: the nccl path end to end, one rank per GPU.
 gpu-check: $(STAMP)

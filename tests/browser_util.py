@@ -2,7 +2,7 @@
 Chromium through Python Playwright (never ``playwright install``).
 
 Used by tests/test_browser.py (chapter 1's Memory Explorer). The pitfalls handled
-here were measured on this machine (shared FIELD-NOTES.md): the news popup, Run All
+here were measured on this machine (docs/MEASUREMENTS.md): the news popup, Run All
 clicked before the kernel exists, intermediate frames of a redrawn chart.
 """
 from __future__ import annotations

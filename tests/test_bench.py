@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from zerolab import bench, bench_peers as bp
+from zerolab.bench import runner as bench
+from zerolab.bench import peers as bp
 from zerolab.cli import build_parser, main
 from zerolab.theory import comm_volume
 

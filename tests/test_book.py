@@ -1,11 +1,12 @@
-"""zerolab.book: show() displays the package's real source."""
+"""zerolab.book.listing: show() displays the package's real source."""
 import inspect
 import textwrap
 
 import pytest
 
 import zerolab
-from zerolab import book, measure
+from zerolab.book import listing as book
+from zerolab.runtime import measure
 from zerolab.book import show, source
 
 
@@ -13,7 +14,7 @@ def test_source_is_the_real_source_with_its_location():
     text = source(measure.census)
     lines, start = inspect.getsourcelines(measure.census)
     header, body = text.split("\n", 1)
-    assert header == f"# zerolab/measure.py, lines {start}-{start + len(lines) - 1}"
+    assert header == f"# zerolab/runtime/measure.py, lines {start}-{start + len(lines) - 1}"
     assert body == "".join(lines)
     assert body.startswith("def census(")
 
@@ -31,7 +32,7 @@ def test_lines_by_range_and_by_block():
     lines, start = inspect.getsourcelines(measure.PeakMeter)
     part = source(measure.PeakMeter, lines=(2, 4))
     assert part.split("\n", 1)[1] == textwrap.dedent("".join(lines[1:4]))
-    assert part.startswith(f"# zerolab/measure.py, lines {start + 1}-{start + 3}")
+    assert part.startswith(f"# zerolab/runtime/measure.py, lines {start + 1}-{start + 3}")
     block = source(measure.PeakMeter, lines="def __exit__")
     assert block.split("\n")[1] == "def __exit__(self, *exc) -> None:"
     assert "del self._prof" in block and "def __enter__" not in block and "def peak_memory" not in block

@@ -1,11 +1,10 @@
-"""zerolab.book_runs: the chapters' training runs (chapters 3-5), in one process and on 2 ranks."""
+"""zerolab.book.runs: the chapters' training runs (chapters 3-5), in one process and on 2 ranks."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import zerolab as zl
-from zerolab import book_runs
+from zerolab.book import runs as book_runs
 
 
 def test_one_process_engine_matches_reference_and_reports_exact_memory():

@@ -12,11 +12,10 @@ import json
 import os
 import shutil
 import time
-from pathlib import Path
 
 import pytest
 
-from zerolab.widgets import format_params
+from zerolab.book.widgets import format_params
 
 from browser_util import (CHROMIUM, REPO, chromium, digest, jupyter_lab, run_all,
                           wait_all_cells_ran, wait_image_stable, wait_kernel_ready)

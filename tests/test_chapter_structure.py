@@ -1,4 +1,4 @@
-"""Every chapter has the same shape (chapters 0-10; the book's conventions, issue 7).
+"""Every chapter has the same shape (chapters 0-11; the book's conventions, issue 7).
 
 Checked statically on the committed .ipynb files, without running them:
 
@@ -241,7 +241,7 @@ def test_checker_catches(tmp_path, breakage, expected):
     elif breakage == "outputs":
         cells[2].update(outputs=[{"output_type": "stream", "name": "stdout", "text": "1\n"}], execution_count=1)
     elif breakage == "title_number":
-        cells[0]["source"] = "# Chapter 8 — A title"
+        cells[0]["source"] = "# Chapter 9 — A title"
     elif breakage == "section_after":
         cells.append(_cell("markdown", "## Further reading\n\nBooks."))
     elif breakage == "answer_outside":

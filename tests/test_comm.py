@@ -1,4 +1,4 @@
-"""zerolab.comm: values agree with torch.distributed, bytes with the ring algorithm."""
+"""zerolab.runtime.comm: values agree with torch.distributed, bytes with the ring algorithm."""
 import time
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab.comm import Communicator
-from zerolab.network import LINKS, Link, get_link, ring_bytes
+from zerolab.runtime.comm import Communicator
+from zerolab.theory.network import LINKS, Link, get_link, ring_bytes
 
 
 def _collectives(n_elems_per_rank):

@@ -1,4 +1,4 @@
-"""DeepSpeed-style config parsing and validation (zerolab.config)."""
+"""DeepSpeed-style config parsing and validation (zerolab.config.core)."""
 import json
 import pathlib
 import warnings

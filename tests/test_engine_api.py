@@ -10,9 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 import zerolab as zl
-from zerolab.engine.flat import find_units, group_units
+from zerolab.engine.flat import find_units
+from zerolab.engine.buckets import group_units
 from zerolab.engine.optim import WarmupDecayLR, WarmupLR
-from zerolab.models import MLP, TinyGPT, loss_fn, synthetic_batch
+from zerolab.book.models import MLP, TinyGPT, loss_fn, synthetic_batch
 
 ADAM = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 
@@ -170,7 +171,7 @@ def overlap_worker(stage, overlap):
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_overlap_comm_issues_buckets_during_backward(stage):
     """Buckets go out while backward still runs; with overlap_comm they complete later: in a later
-    gradient hook if the backend already reports them done (Engine._finish_completed), else after
+    gradient hook if the backend already reports them done (Engine.finish_completed), else after
     backward ends, and always before the step."""
     on, off = (zl.launch(overlap_worker, world_size=2, args=(stage, o), threads=1)[0] for o in (True, False))
     for ev in (on, off):

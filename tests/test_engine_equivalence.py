@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab.models import MLP, TinyGPT, loss_fn, synthetic_batch
+from zerolab.book.models import MLP, TinyGPT, loss_fn, synthetic_batch
 
 STEPS = 4
 MBS = 2  # rows per rank per micro-batch

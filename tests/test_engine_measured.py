@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab.measure import census, settled_census  # noqa: F401 (other tests import it from here)
+from zerolab.runtime.measure import census, settled_census  # noqa: F401 (other tests import it from here)
 from zerolab.theory import bytes_per_param
-from zerolab.models import MLP, TinyGPT, loss_fn, synthetic_batch
+from zerolab.book.models import MLP, TinyGPT, loss_fn, synthetic_batch
 
 PRECISIONS = {"fp32": {}, "mixed": {"bf16": {"enabled": True}},
               "mixed_fp32_grads": {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}}

@@ -5,13 +5,12 @@ from __future__ import annotations
 import gc
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import zerolab as zl
 from test_engine_measured import PRECISIONS, settled_census
-from zerolab.measure import PeakMeter, census
-from zerolab.models import TinyGPT, loss_fn, synthetic_batch
+from zerolab.runtime.measure import PeakMeter, census
+from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
 
 STEPS, GAS = 3, 2
 
@@ -74,8 +73,9 @@ def test_offloaded_runs_reach_the_same_parameters(tmp_path, n):
     for case, (diff, moved, cls) in zip(cases, results[0]):
         assert moved > 1e-3, (case, "training did not move the parameters")
         assert diff <= 1e-5, (case, cls, diff)
-        want = ("Offload" if case["oo"] != "none" else "") + ("ParamOffload" if case["op"] != "none" else "")
-        assert cls == want + f"Stage{case['stage']}Engine"
+        kind = {(True, False): "Offload", (False, True): "ParamOffload", (True, True): "FullOffload"}[
+            (case["oo"] != "none", case["op"] != "none")]
+        assert cls == f"Stage{case['stage']}{kind}Engine"
     assert list(tmp_path.iterdir()) == []
 
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import zerolab as zl
 from zerolab.engine.precision import DynamicLossScaler
-from zerolab.models import MLP, TinyGPT, loss_fn, synthetic_batch
+from zerolab.book.models import MLP, TinyGPT, loss_fn, synthetic_batch
 
 STEPS, MBS, LR = 4, 2, 1e-3
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -12,12 +12,11 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import test_engine_equivalence as eq
 import test_engine_precision as prec
 import zerolab as zl
-from zerolab.models import MLP
+from zerolab.book.models import MLP
 
 
 class TiedMLP(MLP):
@@ -131,7 +130,7 @@ def test_stage3_bf16_matches_fp32_master_reference(n):
 def stages_worker():
     """The same model and data through stages 2 and 3 (prefetch off / on): identical parameters."""
     import torch.distributed as dist
-    from zerolab.models import TinyGPT, loss_fn, synthetic_batch
+    from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
     rank, n = dist.get_rank(), dist.get_world_size()
     out = []
     for zero in ({"stage": 2}, stage3(0), stage3(10**8), {"stage": 3}):

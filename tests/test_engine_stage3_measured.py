@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 import zerolab as zl
 from test_engine_measured import PRECISIONS, settled_census
-from zerolab.models import TinyGPT, loss_fn, synthetic_batch
-from zerolab.network import ring_bytes
+from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
+from zerolab.theory.network import ring_bytes
 from zerolab.theory import bytes_per_param, comm_breakdown
 
 ADAM = {"type": "Adam", "params": {"lr": 1e-3}}
@@ -235,13 +235,13 @@ def test_prefetch_one_block_ahead_in_forward_and_backward():
 
 
 def test_timeline_spans_pair_events_into_lanes():
-    from zerolab.engine import timeline
+    from zerolab.engine import events as ev
     events = [("gather-issued", 1, 0.0), ("gather-issued", 2, 0.1), ("gather-done", 1, 0.2),
               ("unit-fwd-start", 1, 0.2), ("gather-done", 2, 0.3), ("unit-fwd-end", 1, 0.5), ("release", 1, 0.5),
               ("reduce-issued", 0, 0.6), ("backward-end", -1, 0.7), ("reduce-done", 0, 0.8)]
-    assert timeline.spans(events) == [("all-gather", 0.0, 0.2, "all-gather"), ("all-gather", 0.1, 0.3, "all-gather"),
+    assert ev.spans(events) == [("all-gather", 0.0, 0.2, "all-gather"), ("all-gather", 0.1, 0.3, "all-gather"),
                                       ("forward", 0.2, 0.5, "compute"), ("reduce-scatter", 0.6, 0.8, "reduce-scatter")]
-    rows, labels = timeline.lanes([events, []])
+    rows, labels = ev.lanes([events, []])
     assert labels == ["rank 0 compute", "rank 0 all-gather", "rank 0 reduce-scatter",
                       "rank 1 compute", "rank 1 all-gather", "rank 1 reduce-scatter"]
     assert rows[0] == [("forward", 0.2, 0.5)] and rows[3:] == [[], [], []]

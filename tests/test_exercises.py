@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from zerolab import exercises as ex
-from zerolab import grading
+from zerolab.grading import exercises as ex
+from zerolab.grading import grader as grading
 
 pytestmark = pytest.mark.slow
 

@@ -7,11 +7,11 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_gpu_check_passes():
-    from zerolab.gpu_check import main
+    from zerolab.runtime.gpu_check import main
     assert main() == 0
 
 
 def test_backend_auto_picks_nccl_with_one_gpu_per_rank():
-    from zerolab.launch import choose_backend
+    from zerolab.runtime.launch import choose_backend
     assert choose_backend(torch.cuda.device_count()) == "nccl"
     assert choose_backend(torch.cuda.device_count() + 1) == "gloo"

@@ -13,8 +13,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from zerolab import exercises as ex
-from zerolab import grading
+from zerolab.grading import exercises as ex
+from zerolab.grading import grader as grading
 from zerolab.cli import main
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-from zerolab.launch import cpu_count
+from zerolab.runtime.launch import cpu_count
 
 PY = sys.executable
 
@@ -231,7 +231,7 @@ def test_interrupt_or_killed_parent_leaves_no_orphans(tmp_path, sig, method):
 
 
 def test_backend_auto_is_gloo_without_enough_gpus():
-    from zerolab.launch import choose_backend
+    from zerolab.runtime.launch import choose_backend
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert choose_backend(gpus + 1) == "gloo"
 

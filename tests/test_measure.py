@@ -1,11 +1,11 @@
-"""zerolab.measure: census exact to the byte, peak meter within max(3%, 2 MB), timers."""
+"""zerolab.runtime.measure: census exact to the byte, peak meter within max(3%, 2 MB), timers."""
 import sys
 import time
 
 import pytest
 import torch
 
-from zerolab.measure import MemoryReport, PeakMeter, Timer, census, peak_memory, rss, time_fn, timed
+from zerolab.runtime.measure import MemoryReport, PeakMeter, Timer, census, peak_memory, rss, time_fn, timed
 
 MiB = 2**20
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux-only")
@@ -113,7 +113,7 @@ def test_peak_of_written_allocation_within_tolerance(mb):
 @linux
 def test_steady_state_step_is_seen():
     """After warm-up a step re-uses freed heap memory; the meter must still see it."""
-    from zerolab.models import TinyGPT, loss_fn, synthetic_batch
+    from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
     model = TinyGPT.preset("micro")
     x, y = synthetic_batch(model, 128)
 

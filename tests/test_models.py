@@ -1,11 +1,11 @@
-"""zerolab.models: parameter counts, shapes, determinism, rank slices, a fast 4-rank step."""
+"""zerolab.book.models: parameter counts, shapes, determinism, rank slices, a fast 4-rank step."""
 import statistics
 import time
 
 import pytest
 import torch
 
-from zerolab.models import MLP, PRESETS, TinyGPT, loss_fn, synthetic_batch
+from zerolab.book.models import MLP, PRESETS, TinyGPT, loss_fn, synthetic_batch
 
 
 def gpt_params(vocab, n_layer, d_model, seq_len, n_head=None, bias=True, key_bias=True, tie=True):
@@ -25,7 +25,7 @@ def test_preset_parameter_counts(name):
 
 def test_preset_sizes_match_the_book():
     assert sum(p.numel() for p in TinyGPT.preset("tiny").parameters()) == 300_416          # ~0.3M
-    assert sum(p.numel() for p in TinyGPT.preset("small").parameters()) == 3_692_032       # 3.69M, FIELD-NOTES peers
+    assert sum(p.numel() for p in TinyGPT.preset("small").parameters()) == 3_692_032       # 3.69M, the bench model
 
 
 def test_key_bias_and_untied_head():

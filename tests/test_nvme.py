@@ -14,7 +14,7 @@ import torch
 import zerolab as zl
 from zerolab.engine import nvme
 from zerolab.engine.nvme import ChunkStore, MappedFile, NVMeError, SwapFile
-from zerolab.models import TinyGPT, loss_fn, synthetic_batch
+from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
 
 
 def cfg_for(path, stage=2, device="nvme", bf16=True):
@@ -81,7 +81,7 @@ def test_mapped_file_release_keeps_data(tmp_path):
 def test_engine_leaves_no_files_even_when_killed(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time, torch, zerolab as zl
-        from zerolab.models import TinyGPT, loss_fn, synthetic_batch
+        from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
         m = TinyGPT.preset("micro", seed=1)
         cfg = {cfg_for(tmp_path)!r}
         cfg["zero_optimization"]["stage"] = 3

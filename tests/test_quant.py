@@ -1,8 +1,8 @@
-"""zerolab.quant: blockwise int8/int4 quantization (chapter 8's measurements of ZeRO++)."""
+"""zerolab.book.quant: blockwise int8/int4 quantization (chapter 9's measurements of ZeRO++)."""
 import pytest
 import torch
 
-from zerolab import quant
+from zerolab.book import quant
 
 
 def test_int8_values_exact_when_representable():

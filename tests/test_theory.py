@@ -1,13 +1,13 @@
-"""The memory and communication model (zerolab.theory, chapters 1-2)."""
+"""The memory and communication model (zerolab.theory.memory, chapters 1-2)."""
 import itertools
 
 import pytest
 
 import zerolab as zl
-from zerolab import network
+from zerolab.theory import network
 from zerolab.theory import (GB, OPTIMIZERS, PRECISIONS, activation_memory, comm_breakdown, comm_volume,
                             deepspeed_estimate, estimate, format_paper_gb, step_comm_time, zero_table1)
-from zerolab.theory_comm import split_intra_inter
+from zerolab.theory.comm import split_intra_inter
 
 # ZeRO paper (Rajbhandari et al., SC'20), Table 1, as printed: per-device GB for
 # DP degree -> (7.5B: Pos, Pos+g, Pos+g+p, 128B: ..., 1T: ...).
@@ -228,7 +228,7 @@ def test_step_comm_time_alpha_beta():
 
 
 def test_estimate_config_reads_stage_precision_optimizer_offload():
-    from zerolab.theory import estimate_config
+    from zerolab.config import estimate_config
     ds = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
           "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}

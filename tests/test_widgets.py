@@ -1,12 +1,12 @@
-"""Headless tests of the book's widgets (zerolab.widgets): moving a control changes
+"""Headless tests of the book's widgets (zerolab.book.widgets): moving a control changes
 the data and the figure; the ring stepper's state is the ring algorithm's."""
 import hashlib
 import random
 
 import pytest
 
-from zerolab import network
-from zerolab.widgets import RingAllReduceStepper, ring_allreduce_states, ring_sends
+from zerolab.theory import network
+from zerolab.book.widgets import RingAllReduceStepper, ring_allreduce_states, ring_sends
 
 
 def digest(png: bytes) -> str:
@@ -97,7 +97,7 @@ def test_ring_sends_rejects_bad_step():
 
 @pytest.fixture
 def explorer():
-    from zerolab.widgets import MemoryExplorer
+    from zerolab.book.widgets import MemoryExplorer
     return MemoryExplorer(psi=7.5e9, n_gpus=64, precision="mixed")
 
 
@@ -161,7 +161,7 @@ def test_explorer_comm_volume(explorer):
 
 
 def test_explorer_link_and_grad_accum(explorer):
-    from zerolab.network import LINKS
+    from zerolab.theory.network import LINKS
     psi, n, m = 7.5e9, 64, 2 * 7.5e9                  # M: 16-bit model bytes
     ib = explorer.data["comm_seconds"][0]
     # DDP: one ring all-reduce of M bytes: 2(N-1) latencies + 2(N-1)/N M / bandwidth
@@ -185,7 +185,8 @@ def _labelled(ax):
 
 
 def test_plots_are_titled_and_labelled_with_units():
-    from zerolab import plots, theory
+    from zerolab import theory
+    from zerolab.book import plots
     ests = [theory.estimate(1e6, 4, 3) for _ in range(4)]
     ax = plots.memory_bars(ests, measured=[e.as_dict() for e in ests])
     assert _labelled(ax) and "bytes" in ax.get_ylabel()
@@ -198,13 +199,13 @@ def test_plots_are_titled_and_labelled_with_units():
     ax = plots.bandwidth_curves(["demo"], n=4)
     line = ax.get_lines()[0]
     assert _labelled(ax) and ax.get_ylabel() == "time (s)"
-    from zerolab.network import LINKS
+    from zerolab.theory.network import LINKS
     x, y = line.get_data()
     assert y[-1] == pytest.approx(LINKS["demo"].time("all_reduce", int(x[-1] * 1e6), 4), rel=1e-6)
 
 
 def test_plot_timeline_draws_one_box_per_event():
-    from zerolab import plots
+    from zerolab.book import plots
     events = [[{"kind": "forward", "start": 1.0, "end": 1.010}, ("all_gather", 1.002, 1.004)],
               [("forward", 1.001, 1.011)]]
     ax = plots.plot_timeline(events)
@@ -219,7 +220,7 @@ def test_plot_timeline_draws_one_box_per_event():
 
 
 def test_folded_captures_prints_into_a_details_block(capsys, monkeypatch):
-    import zerolab.widgets as w
+    import zerolab.book.widgets as w
     shown = []
     monkeypatch.setattr(w, "display", lambda obj, raw=False: shown.append(obj))
     with w.folded("numbers for Q1"):

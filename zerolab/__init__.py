@@ -1,6 +1,6 @@
 """zerolab: the package behind the zerolab book on data-parallel training.
 
-Public names (see DESIGN.md) are loaded lazily, so ``import zerolab`` is cheap
+Public names (docs/ARCHITECTURE.md lists the layers) are loaded lazily, so ``import zerolab`` is cheap
 and a notebook pays for matplotlib or the engines only when it uses them.
 
     import zerolab as zl
@@ -15,26 +15,26 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     # theory (chapters 1-2)
-    "estimate": "zerolab.theory",
-    "estimate_config": "zerolab.theory",
-    "deepspeed_estimate": "zerolab.theory",
-    "comm_breakdown": "zerolab.theory",
-    "step_comm_time": "zerolab.theory",
-    "zero_table1": "zerolab.theory",
-    "table1_text": "zerolab.theory",
-    "Estimate": "zerolab.theory",
-    "comm_volume": "zerolab.theory",
-    "activation_memory": "zerolab.theory",
+    "estimate": "zerolab.theory.memory",
+    "estimate_config": "zerolab.config",
+    "deepspeed_estimate": "zerolab.theory.memory",
+    "comm_breakdown": "zerolab.theory.comm",
+    "step_comm_time": "zerolab.theory.comm",
+    "zero_table1": "zerolab.theory.memory",
+    "table1_text": "zerolab.theory.memory",
+    "Estimate": "zerolab.theory.memory",
+    "comm_volume": "zerolab.theory.comm",
+    "activation_memory": "zerolab.theory.memory",
     "Config": "zerolab.config",
     "ConfigError": "zerolab.config",
-    "Link": "zerolab.network",
-    "LINKS": "zerolab.network",
+    "Link": "zerolab.theory.network",
+    "LINKS": "zerolab.theory.network",
     # runtime (chapters 0, 2); `launch` itself is imported eagerly below
-    "LaunchError": "zerolab.launch",
-    "CommLedger": "zerolab.comm",
-    "census": "zerolab.measure",
-    "MemoryReport": "zerolab.measure",
-    # engines (chapters 3-8)
+    "LaunchError": "zerolab.runtime.launch",
+    "CommLedger": "zerolab.runtime.comm",
+    "census": "zerolab.runtime.measure",
+    "MemoryReport": "zerolab.runtime.measure",
+    # engines (chapters 3-9)
     "initialize": "zerolab.engine",
     "gathered_parameters": "zerolab.engine",
     # book helpers
@@ -42,8 +42,8 @@ _EXPORTS = {
 }
 
 # The function `launch` shares its name with its module: bind it eagerly, or the
-# first `import zerolab.launch` would leave `zl.launch` pointing at the module.
-from .launch import launch  # noqa: E402
+# first `import zerolab.runtime.launch` would leave `zl.launch` pointing at the module.
+from zerolab.runtime.launch import launch  # noqa: E402
 
 __all__ = sorted(_EXPORTS) + ["launch", "__version__"]
 

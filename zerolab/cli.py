@@ -1,4 +1,4 @@
-"""Command line: ``python -m zerolab <command>`` (chapter 9 uses ``estimate``).
+"""Command line: ``python -m zerolab <command>`` (chapter 10 uses ``estimate``).
 
 Each subcommand is two small functions, ``add_<name>_args(parser)`` and
 ``cmd_<name>(args) -> exit code``, registered in ``COMMANDS``; adding one is
@@ -46,7 +46,7 @@ def fmt_seconds(s: float) -> str:
 # ---- estimate ----
 
 def add_estimate_args(p: argparse.ArgumentParser):
-    from zerolab.network import LINKS
+    from zerolab.theory.network import LINKS
     from zerolab.theory import DEVICES, OPTIMIZERS, PRECISIONS
     p.add_argument("--params", type=parse_count, required=True, help="parameters Ψ, e.g. 7.5e9 or 7.5B")
     p.add_argument("--gpus", type=int, required=True, help="data-parallel ranks N")
@@ -91,7 +91,7 @@ def _settings(args) -> dict:
 def estimate_table(args) -> str:
     """The side-by-side text table ``cmd_estimate`` prints."""
     from zerolab.theory import comm_breakdown, deepspeed_estimate, estimate, step_comm_time
-    from zerolab.theory_comm import split_intra_inter
+    from zerolab.theory.comm import split_intra_inter
     s = _settings(args)
     psi, n, gpn = args.params, args.gpus, s["gpus_per_node"]
     if gpn is not None and (gpn < 1 or n % gpn and n > gpn):
@@ -170,7 +170,7 @@ def add_gpu_check_args(p: argparse.ArgumentParser):
 
 
 def cmd_gpu_check(args) -> int:
-    from zerolab.gpu_check import main as gpu_main
+    from zerolab.runtime.gpu_check import main as gpu_main
     return gpu_main()
 
 
@@ -189,9 +189,9 @@ def _lazy(module: str, name: str):
 COMMANDS = {
     "estimate": ("memory and communication of every ZeRO stage, side by side", add_estimate_args, cmd_estimate),
     "gpu-check": ("on a machine with CUDA GPUs: the nccl path end to end", add_gpu_check_args, cmd_gpu_check),
-    "grade": ("grade exercise notebooks under nbval, check by check", *_lazy("grading", "grade")),
-    "exercises": ("list the exercises, copy them to a folder, or reset one", *_lazy("grading", "exercises")),
-    "bench": ("time zerolab against torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed", *_lazy("bench", "bench")),
+    "grade": ("grade exercise notebooks under nbval, check by check", *_lazy("grading.grader", "grade")),
+    "exercises": ("list the exercises, copy them to a folder, or reset one", *_lazy("grading.grader", "exercises")),
+    "bench": ("time zerolab against torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed", *_lazy("bench.runner", "bench")),
 }
 
 

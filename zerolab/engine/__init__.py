@@ -10,18 +10,18 @@ with ``prefetch``'s unit trace).
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
 
-import torch
 from torch import nn
 
-from ..config import Config, ConfigError
-from .base import Engine, make_communicator
-from .optim import ShardedOptimizer, make_scheduler
-from .stage0 import Stage0Engine
-from .stage1 import Stage1Engine
-from .stage2 import Stage2Engine
-from .stage3 import Stage3Engine
+from zerolab.config import Config, ConfigError
+from zerolab.config.optimizer import check_optimizer_params
+from zerolab.config.zero import check_zero
+from zerolab.engine.base import Engine, make_communicator
+from zerolab.engine.gathered import gathered_parameters
+from zerolab.engine.stage0 import Stage0Engine
+from zerolab.engine.stage1 import Stage1Engine
+from zerolab.engine.stage2 import Stage2Engine
+from zerolab.engine.stage3 import Stage3Engine
 
 __all__ = ["initialize", "gathered_parameters", "Engine", "Stage0Engine", "Stage1Engine", "Stage2Engine", "Stage3Engine"]
 
@@ -36,33 +36,24 @@ def initialize(model: nn.Module, config, link=None) -> Engine:
     what the engine cannot do, before touching the model.
     """
     cfg = Config.from_any(config)
-    if link is not None:  # a simulated link (zerolab.network) for this engine only
+    if link is not None:  # a simulated link (zerolab.theory.network) for this engine only
         cfg = dataclasses.replace(cfg, link=link)
     communicator = make_communicator(cfg.link)
     cfg = cfg.with_world_size(communicator.world_size)
     _check_supported(model, cfg)
     cls = ENGINES[cfg.zero.stage]
     if cfg.zero.offload_optimizer.device != "none" or cfg.zero.offload_param.device != "none":
-        from .offload import offload_engine  # chapter 7: ZeRO-Offload / ZeRO-Infinity
-        cls = offload_engine(cls, cfg.zero)
+        from zerolab.engine.offloaded import offload_engine  # chapter 7: ZeRO-Offload / ZeRO-Infinity
+        cls = offload_engine(cfg.zero)
     return cls(model, cfg, communicator)
 
 
 def _check_supported(model: nn.Module, cfg) -> None:
     z = cfg.zero
-    if z.stage not in ENGINES:
-        raise ConfigError(f"zero_optimization.stage: stage {z.stage} is not implemented yet "
-                          f"(implemented: {sorted(ENGINES)})")
+    check_zero(z)   # a Config built in code gets the config's rules too (JSON is checked when read)
+    check_optimizer_params(cfg.optimizer.type, cfg.optimizer.params)
     if z.zeropp:
         raise ConfigError(f"zero_optimization: ZeRO++ ({', '.join(z.zeropp)}) is not implemented yet")
-    if z.offload_optimizer.device != "none" and z.stage < 1:
-        raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (got stage 0): only a "
-                          "partitioned optimizer is offloaded; allowed device at stage 0: 'none'")
-    if z.offload_param.device != "none" and z.stage < 3:
-        raise ConfigError(f"zero_optimization.offload_param needs stage 3 (got stage {z.stage}): only ZeRO-3 "
-                          f"partitions the parameters; use 'none' or stage 3")
-    ShardedOptimizer(cfg.optimizer.type, cfg.optimizer.params, [])  # validates the optimizer section
-    make_scheduler(cfg.scheduler)                                     # ... and the scheduler's
     params = list(model.parameters())
     if any(getattr(p, "_zerolab_engine", False) for p in params):
         raise ValueError("this model is already wrapped by a zerolab engine; build a fresh model")
@@ -95,30 +86,3 @@ def _check_supported(model: nn.Module, cfg) -> None:
             raise ValueError("sparse gradients are not supported")
     for p in params:
         p._zerolab_engine = True
-
-
-@contextmanager
-def gathered_parameters(engine: Engine, modules_or_params=None, modifier_rank=None):
-    """Make full parameters readable inside the block (chapter 6); collective: every rank enters.
-
-    ``modules_or_params``: a module, a parameter or a list of them (None: the
-    whole model). Stage 3 all-gathers the units holding them and releases them
-    on exit; with ``modifier_rank=r``, rank r's in-place edits are broadcast and
-    re-partitioned (its shard, and the fp32 master where an element changed).
-    Stages 0-2 keep every parameter whole on every rank: a no-op there.
-    """
-    if not hasattr(engine, "gathered"):
-        yield
-        return
-    with engine.gathered(_params_of(engine, modules_or_params), modifier_rank):
-        yield
-
-
-def _params_of(engine, x) -> list:
-    if x is None:
-        return list(engine.module.parameters())
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, nn.Module):
-        return list(x.parameters())
-    return [p for item in x for p in _params_of(engine, item)]

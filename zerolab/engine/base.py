@@ -13,16 +13,17 @@ What a stage changes is small and named (stage files override these):
     after_update()        what follows the optimizer step (stages 1-2: all-gather params)
 
 Gradient buckets (``reduce_bucket_size`` elements, whole units, last unit
-first) are reduced as soon as every parameter in them has its gradient, in
-bucket order on every rank, asynchronously when ``overlap_comm`` is on. When
-autograd returns, ``backward`` flushes buckets holding unused parameters and
-waits for what is in flight. Each gradient hook first finishes the collectives
-that have already completed (a non-blocking poll), so a bucket's staging buffer
-is freed while backward is still running, not only at its end. That needs the
-backend to report completion: NCCL and gloo's all-reduce/all-gather do; gloo's
-reduce-scatter does not (its ``Work`` reports done only after ``wait``), so on
-gloo stage 1-2's reduce-scatter buffers still live until backward ends. Collectives *sum* gradients; the step multiplies
-by 1/N, 1/loss-scale and the clipping factor in one pass over the shard.
+first; ``buckets.py``) are reduced as soon as every parameter in them has its
+gradient, in bucket order on every rank, asynchronously when ``overlap_comm``
+is on. When autograd returns, ``backward`` flushes buckets holding unused
+parameters and waits for what is in flight. Each gradient hook first finishes
+the collectives that have already completed (a non-blocking poll), so a
+bucket's staging buffer is freed while backward is still running. That needs
+the backend to report completion: NCCL and gloo's all-reduce/all-gather do;
+gloo's reduce-scatter does not (its ``Work`` reports done only after ``wait``),
+so on gloo stage 1-2's reduce-scatter buffers live until backward ends.
+Collectives *sum* gradients; the step multiplies by 1/N, 1/loss-scale and the
+clipping factor in one pass over the shard.
 """
 from __future__ import annotations
 
@@ -31,11 +32,14 @@ import time
 import torch
 from torch import nn
 
-from ..comm import CommLedger, Communicator
-from ..measure import MemoryReport
-from .flat import FlatParams, group_units
-from .optim import ShardedOptimizer, clip_coefficient, make_scheduler, sum_of_squares
-from .precision import DynamicLossScaler, local_overflow, precision_of
+from zerolab.engine import events as ev
+from zerolab.runtime.comm import CommLedger, Communicator
+from zerolab.runtime.measure import MemoryReport, storage_bytes
+from zerolab.engine.flat import FlatParams
+from zerolab.engine.buckets import GradientBuckets
+from zerolab.engine.state import consolidated_state_dict
+from zerolab.engine.optim import ShardedOptimizer, clip_coefficient, make_scheduler, sum_of_squares
+from zerolab.engine.precision import DynamicLossScaler, cast_floats, local_overflow, precision_of
 
 
 def make_communicator(link=None) -> Communicator:
@@ -43,21 +47,7 @@ def make_communicator(link=None) -> Communicator:
     return Communicator(link=link)
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.untyped_storage().nbytes()
-
-
-def _cast_floats(x, dtype):
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype) if x.is_floating_point() else x
-    if isinstance(x, (list, tuple)):
-        return type(x)(_cast_floats(v, dtype) for v in x)
-    if isinstance(x, dict):
-        return {k: _cast_floats(v, dtype) for k, v in x.items()}
-    return x
-
-
-class Engine:
+class Engine(GradientBuckets):
     """The training loop; a stage subclass defines own/build_grads/keep_grad/reduce_bucket/
     owned_grads/zero_grads/after_update/grad_bytes (see ``Stage0Engine``)."""
     stage = 0
@@ -80,11 +70,7 @@ class Engine:
                     m._buffers[k] = b.to(self.precision.compute_dtype)
         self._broadcast_initial_state()
 
-        units = self.flat.units
-        self.buckets = group_units(units, cfg.zero.reduce_bucket_size)
-        self.gather_buckets = group_units(units, cfg.zero.allgather_bucket_size)
-        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for u in b for _, p in u.params}
-        self._bucket_params = [sum(len(u.params) for u in b) for b in self.buckets]
+        self.build_buckets(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size)
 
         self.build_grads()
         self.build_optimizer()
@@ -92,7 +78,6 @@ class Engine:
         self.scaler = DynamicLossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
 
         self.micro_steps = self.global_steps = self.skipped_steps = 0
-        self._pending = []  # [(handle, finish or None, tensors kept alive until finished)]
         self._reducing, self._reduced_unstepped, self._fired, self._in_backward = False, False, set(), False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.flat.params()]
         self.events = [] if cfg.trace else None  # timeline: (event, bucket or -1, perf_counter seconds)
@@ -123,42 +108,10 @@ class Engine:
         if self.events is not None:
             self.events.append((name, index, time.perf_counter()))
 
-    # ---------------------------------------------------------------- helpers for the stages
-    def track(self, handle, finish=None, keep=(), index: int = -1) -> None:
-        """Finish a collective now if it is done (overlap off), else when backward ends."""
-        if handle.done:
-            if finish is not None:
-                finish()
-            self.event("reduce-done", index)
-        else:
-            self._pending.append((handle, finish, keep, index))
-
-    def _finish_completed(self) -> None:
-        """Finish the in-flight collectives that have completed, so their buffers (stage 2's
-        staging, stage 1's packing) are freed during backward rather than at its end."""
-        if not self._pending:
-            return
-        still = []
-        for entry in self._pending:
-            handle, finish, _, index = entry
-            if handle.is_completed():
-                handle.wait()  # returns at once; books the ledger record
-                if finish is not None:
-                    finish()
-                self.event("reduce-done", index)
-            else:
-                still.append(entry)
-        self._pending = still
-
-    def transient_bytes(self) -> int:
-        """Bytes in staging buffers and in-flight temporaries right now."""
-        storages = {t.untyped_storage().data_ptr(): _nbytes(t) for _, _, keep, _ in self._pending for t in keep}
-        return sum(storages.values())
-
     # ---------------------------------------------------------------- the training loop
     def forward(self, *args, **kwargs):
         if self.precision.compute_dtype != torch.float32:
-            args, kwargs = _cast_floats(args, self.precision.compute_dtype), _cast_floats(kwargs, self.precision.compute_dtype)
+            args, kwargs = cast_floats(args, self.precision.compute_dtype), cast_floats(kwargs, self.precision.compute_dtype)
         return self.module(*args, **kwargs)
 
     __call__ = forward
@@ -173,11 +126,9 @@ class Engine:
                                "gradients were already reduced. Call engine.step() after every engine.backward()")
         self._reducing = self.reduce_every_micro_step or self.is_gradient_accumulation_boundary()
         self._reduced_unstepped = self._reducing and not self.reduce_every_micro_step
-        self._left = list(self._bucket_params)
-        self._ready = [False] * len(self.buckets)
-        self._next_bucket, self._pending = 0, []
+        self.reset_buckets()
         self._fired = set()
-        self.event("backward-start")
+        self.event(ev.BACKWARD_START)
         factor = (self.scaler.scale if self.scaler else 1.0) / self.gas
         self._in_backward = True
         try:
@@ -195,34 +146,14 @@ class Engine:
                                "checkpointing?); its bucket may already be reduced. Use "
                                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
         self._fired.add(id(p))
-        self._finish_completed()  # overlap_comm: free what earlier collectives no longer need
+        self.finish_completed()  # overlap_comm: free what earlier collectives no longer need
         self.keep_grad(p)
         if self._reducing:
-            i = self._bucket_of[id(p)]
-            self._left[i] -= 1
-            if self._left[i] == 0:
-                self._ready[i] = True
-                self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        """Issue ready buckets in bucket order (every rank must call collectives in the same order)."""
-        while self._next_bucket < len(self.buckets) and self._ready[self._next_bucket]:
-            self.event("reduce-issued", self._next_bucket)
-            self.reduce_bucket(self._next_bucket)
-            self._next_bucket += 1
+            self.grad_arrived(p)
 
     def _end_of_backward(self) -> None:
-        if not self._reducing:
-            return
-        self._ready = [True] * len(self.buckets)  # unused parameters: their (zero) gradients go as they are
-        self._launch_ready()
-        self.event("backward-end")
-        for handle, finish, _, index in self._pending:
-            handle.wait()
-            if finish is not None:
-                finish()
-            self.event("reduce-done", index)
-        self._pending = []
+        if self._reducing:
+            self.flush_buckets()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -231,7 +162,7 @@ class Engine:
         self._reduced_unstepped = False
         if self.micro_steps % self.gas:
             return
-        self.event("step-start")
+        self.event(ev.STEP_START)
         grads = self.owned_grads()
         if self.scaler is not None and self._overflow(grads):
             self.scaler.update(True)
@@ -255,7 +186,7 @@ class Engine:
         self.global_steps += 1
         if self.scaler is not None:
             self.scaler.update(False)
-        self.event("step-end")
+        self.event(ev.STEP_END)
 
     def unit_updated(self, i: int) -> None:
         """Unit ``i``'s update is done: copy its fp32 master into the 16-bit parameters."""
@@ -303,12 +234,12 @@ class Engine:
         params: the flat 16-bit (or fp32) parameters, padded, plus frozen ones; grads: the
         gradient buffer (stage 2: the shard); optimizer: fp32 master + state; buffers: the
         model's buffers, staging buckets and in-flight temporaries."""
-        frozen = {p.untyped_storage().data_ptr(): _nbytes(p) for _, p in self.flat.frozen}
-        buffers = {b.untyped_storage().data_ptr(): _nbytes(b) for b in self.module.buffers()}
+        frozen = {p.untyped_storage().data_ptr(): storage_bytes(p) for _, p in self.flat.frozen}
+        buffers = {b.untyped_storage().data_ptr(): storage_bytes(b) for b in self.module.buffers()}
         return MemoryReport(
-            params=_nbytes(self.flat.flat) + sum(frozen.values()),
+            params=storage_bytes(self.flat.flat) + sum(frozen.values()),
             grads=self.grad_bytes(),
-            optimizer=_nbytes(self.master) + self.optimizer.nbytes(),
+            optimizer=storage_bytes(self.master) + self.optimizer.nbytes(),
             buffers=sum(buffers.values()) + self.transient_bytes())
 
     def train(self, mode: bool = True):
@@ -321,24 +252,9 @@ class Engine:
     def parameters(self):
         return self.module.parameters()
 
-    @torch.no_grad()
     def full_state_dict(self) -> dict:
         """Collective: the model's state dict with consolidated fp32 parameters, on every rank."""
-        full = torch.zeros(self.flat.padded, dtype=torch.float32, device=self.flat.device)  # fp32: padded Ψ
-        for u, t in zip(self.flat.units, self.targets):
-            if self.shards_optimizer:
-                self.communicator.all_gather(self.flat.unit_view(full, u), t.contiguous(), tag="state-dict")
-            else:
-                self.flat.unit_view(full, u).copy_(t)
-        where = {id(p): (u.offset + off, p.shape) for u in self.flat.units for (_, p), off in zip(u.params, u.offsets)}
-        out = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) in where:
-                start, shape = where[id(t)]
-                out[name] = full[start: start + shape.numel()].view(shape).clone()
-            else:
-                out[name] = t.detach().float().clone() if t.is_floating_point() else t.detach().clone()
-        return out
+        return consolidated_state_dict(self)
 
     def close(self) -> None:
         """Remove the hooks (the model keeps its flat-buffer parameters)."""

@@ -142,34 +142,3 @@ class FlatParams:
             for (_, p), off in zip(u.params, u.offsets):
                 out[id(p)] = buf[u.offset + off: u.offset + off + p.numel()].view(p.shape)
         return out
-
-
-def rank_major(chunks: list[torch.Tensor], world_size: int) -> torch.Tensor:
-    """Pack several units' full buffers so that one reduce-scatter gives each
-    rank its shards of all of them: [r0 of u1, r0 of u2, r1 of u1, r1 of u2, ...]."""
-    if len(chunks) == 1:
-        return chunks[0]
-    return torch.cat([c.view(world_size, -1) for c in chunks], dim=1).view(-1)
-
-
-def unpack_rank_major(packed: torch.Tensor, chunks: list[torch.Tensor], world_size: int) -> None:
-    """Inverse of ``rank_major``: copy a gathered (N * sum S) buffer into the units' buffers."""
-    sizes = [c.numel() // world_size for c in chunks]
-    for src, dst in zip(packed.view(world_size, -1).split(sizes, dim=1), chunks):
-        dst.view(world_size, -1).copy_(src)
-
-
-def group_units(units: list[Unit], limit: int) -> list[list[Unit]]:
-    """Buckets: consecutive units in *backward* order (last unit first), each
-    bucket holding up to ``limit`` elements; a unit larger than ``limit`` is a
-    bucket of its own (a bucket never splits a unit)."""
-    buckets, cur, size = [], [], 0
-    for u in reversed(units):
-        if cur and size + u.padded > limit:
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append(u)
-        size += u.padded
-    if cur:
-        buckets.append(cur)
-    return [list(reversed(b)) for b in buckets]  # each bucket in layout order: contiguous

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..config import ConfigError
+from zerolab.config import ConfigError
 
 ALIGN = 4096  # chunk offsets in the file: page-aligned
 RAM_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs")

@@ -18,16 +18,16 @@ The device keeps only parameters and gradients: ``memory()`` reports
 machine "device" and "host" are the same RAM; the accounting still says
 which tier each byte belongs to, and the NVMe tier really leaves RAM.
 
-``offload_engine(Stage1Engine)`` is the stage class plus ``OffloadMixin``
-(stage 3's parameter offload is in ``param_offload``).
+``OffloadMixin`` goes in front of a stage class; the named classes built from
+it are in ``offloaded.py`` (stage 3's parameter offload is in ``param_offload``).
 """
 from __future__ import annotations
 
 import torch
 
-from .base import _nbytes
-from .nvme import ChunkStore, NVMeError, check_nvme_path
-from .optim import FUSED_ADAM, ShardedOptimizer
+from zerolab.runtime.measure import storage_bytes
+from zerolab.engine.nvme import ChunkStore, NVMeError, check_nvme_path
+from zerolab.engine.optim import FUSED_ADAM, ShardedOptimizer
 
 
 class OffloadOptimizer:
@@ -93,14 +93,14 @@ class OffloadOptimizer:
         return 0
 
     def host_bytes(self) -> int:
-        return _nbytes(self.host)
+        return storage_bytes(self.host)
 
     def nvme_bytes(self) -> int:
         return self.store.nbytes() if self.store else 0
 
     def staging_bytes(self) -> int:
         """Transfer and I/O staging buffers (host RAM)."""
-        return sum(_nbytes(t) for t in self.grad_stage + self.param_stage) + \
+        return sum(storage_bytes(t) for t in self.grad_stage + self.param_stage) + \
             (self.store.staging_bytes() if self.store else 0)
 
     # ---------------------------------------------------------------- the step
@@ -160,7 +160,7 @@ class OffloadOptimizer:
                                      f"from a checkpoint") from e
         if self.store is not None and self.store.errors:
             i, e = self.store.errors[0]
-            held = sum(_nbytes(t) for t in self.store.dirty.values())
+            held = sum(storage_bytes(t) for t in self.store.dirty.values())
             self._error = NVMeError(e.errno, f"offload_optimizer: writing the optimizer state to "
                                              f"{self.store.directory!r} failed ({e.strerror}) for "
                                              f"{len(self.store.errors)} of {len(order)} units. The step completed: "
@@ -251,22 +251,3 @@ class OffloadMixin:
     def close(self) -> None:
         super().close()
         self.optimizer.close()
-
-
-_CLASSES: dict = {}
-
-
-def offload_engine(cls, zero=None):
-    """``cls`` with optimizer offload (one class per stage, cached); ``zero``: the config's
-    zero_optimization section (parameter offload adds its mixin at stage 3)."""
-    mixins = []
-    if zero is None or zero.offload_optimizer.device != "none":
-        mixins.append(OffloadMixin)
-    if zero is not None and zero.offload_param.device != "none":
-        from .param_offload import ParamOffloadMixin
-        mixins.append(ParamOffloadMixin)
-    key = (cls, tuple(mixins))
-    if key not in _CLASSES:
-        name = "".join(m.__name__.replace("Mixin", "") for m in mixins) + cls.__name__
-        _CLASSES[key] = type(name, (*mixins, cls), {})
-    return _CLASSES[key]

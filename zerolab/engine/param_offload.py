@@ -21,9 +21,9 @@ per micro-step in 16-bit — the arithmetic chapter 7 sets against NVMe bandwidt
 from __future__ import annotations
 
 
-from ..config import ConfigError
-from .base import _nbytes
-from .nvme import MappedFile, check_nvme_path
+from zerolab.config import ConfigError
+from zerolab.runtime.measure import storage_bytes
+from zerolab.engine.nvme import MappedFile, check_nvme_path
 
 
 class ParamOffloadMixin:
@@ -39,7 +39,7 @@ class ParamOffloadMixin:
         if off.device == "nvme":
             path = check_nvme_path(off.nvme_path, "zero_optimization.offload_param")
             shard = self.param_shard
-            self.param_file = MappedFile(path, _nbytes(shard), f"params-r{self.rank}", "zero_optimization.offload_param")
+            self.param_file = MappedFile(path, storage_bytes(shard), f"params-r{self.rank}", "zero_optimization.offload_param")
             mapped = self.param_file.tensor(shard.dtype, shard.numel())   # (padded Ψ/N,) on disk
             mapped.copy_(shard)
             self.param_shard = self.flat.flat = mapped
@@ -73,7 +73,7 @@ class ParamOffloadMixin:
 
     def memory(self):
         r = super().memory()
-        moved = _nbytes(self.param_shard)
+        moved = storage_bytes(self.param_shard)
         r.params -= moved
         if self.param_device == "nvme":
             r.nvme += moved

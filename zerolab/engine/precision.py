@@ -84,3 +84,14 @@ def local_overflow(tensors: list[torch.Tensor]) -> bool:
         return False
     amax = torch.stack(torch._foreach_norm(tensors, float("inf")))  # max |g| per tensor, nan stays nan
     return not bool(torch.isfinite(amax).all())
+
+
+def cast_floats(x, dtype):
+    """``x`` (a tensor or nested list/tuple/dict) with floating tensors cast to ``dtype`` (the forward's inputs)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(cast_floats(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: cast_floats(v, dtype) for k, v in x.items()}
+    return x

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Engine, _nbytes
+from zerolab.engine.base import Engine
+from zerolab.runtime.measure import storage_bytes
 
 
 class Stage0Engine(Engine):
@@ -67,4 +68,4 @@ class Stage0Engine(Engine):
         """Every rank updated every parameter identically: nothing to exchange."""
 
     def grad_bytes(self) -> int:
-        return _nbytes(self.grads)
+        return storage_bytes(self.grads)

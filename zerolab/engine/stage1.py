@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import torch
 
-from .flat import rank_major, unpack_rank_major
-from .stage0 import Stage0Engine
+from zerolab.engine import events as ev
+from zerolab.engine.buckets import rank_major, unpack_rank_major
+from zerolab.engine.stage0 import Stage0Engine
 
 
 class Stage1Engine(Stage0Engine):
     stage = 1
     shards_optimizer = True
+
+    def __init__(self, model, cfg, communicator=None):
+        self._gathers = {}       # gather bucket -> issued all-gather, for the step in progress
+        self._to_update = None   # gather bucket -> units still to update in this step (None: none issued)
+        super().__init__(model, cfg, communicator)
 
     def own(self, buf: torch.Tensor, u) -> torch.Tensor:
         """The part of unit ``u`` this rank updates: its shard ``[r*S, (r+1)*S)``."""
@@ -50,8 +56,6 @@ class Stage1Engine(Stage0Engine):
         self.track(h, finish, (inp, out) if len(b) > 1 else (out,), i)
 
     gathers_params = True  # stage 3 keeps only its shard: no all-gather after the step
-    _gathers: dict = {}    # gather bucket -> issued all-gather, for the step in progress
-    _to_update = None      # gather bucket -> units still to update in this step
 
     def unit_updated(self, i: int) -> None:
         """As soon as the last unit of a gather bucket is updated, start that bucket's
@@ -76,7 +80,7 @@ class Stage1Engine(Stage0Engine):
         fulls = [flat.unit_view(flat.flat, u) for u in b]
         inp = torch.cat([self.own(flat.flat, u) for u in b])  # (ΣS,) this rank's shards, a copy
         out = fulls[0] if len(b) == 1 else torch.empty(self.world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
-        self.event("gather-issued", i)
+        self.event(ev.GATHER_ISSUED, i)
         h = self.communicator.all_gather(out, inp, async_op=self.overlap_comm, tag=f"param-bucket-{i}")
         self._gathers[i] = (h, b, fulls, out, inp)
 
@@ -92,5 +96,5 @@ class Stage1Engine(Stage0Engine):
             h.wait()
             if len(b) > 1:
                 unpack_rank_major(out, fulls, self.world_size)
-            self.event("gather-done", i)
+            self.event(ev.GATHER_DONE, i)
         self._gathers, self._to_update = {}, None

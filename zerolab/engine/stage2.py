@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import _nbytes
-from .stage1 import Stage1Engine
+from zerolab.runtime.measure import storage_bytes
+from zerolab.engine.buckets import rank_major_pieces
+from zerolab.engine.stage1 import Stage1Engine
 
 
 class Stage2Engine(Stage1Engine):
@@ -42,7 +43,7 @@ class Stage2Engine(Stage1Engine):
             col = 0
             for u in b:
                 for (_, p), off in zip(u.params, u.offsets):
-                    self._pieces[id(p)] = (i, _split(off, p.numel(), u.shard, row, col))
+                    self._pieces[id(p)] = (i, rank_major_pieces(off, p.numel(), u.shard, row, col))
                 col += u.shard
         for p in self.flat.params():
             p.grad = None
@@ -91,26 +92,9 @@ class Stage2Engine(Stage1Engine):
         self.grad_shard.zero_()
 
     def grad_bytes(self) -> int:
-        return _nbytes(self.grad_shard)
+        return storage_bytes(self.grad_shard)
 
     def transient_bytes(self) -> int:
-        storages = {t.untyped_storage().data_ptr(): _nbytes(t) for _, _, keep, _ in self._pending for t in keep}
-        storages.update({s.untyped_storage().data_ptr(): _nbytes(s) for s in self._staging if s is not None})
+        storages = {t.untyped_storage().data_ptr(): storage_bytes(t) for _, _, keep, _ in self._pending for t in keep}
+        storages.update({s.untyped_storage().data_ptr(): storage_bytes(s) for s in self._staging if s is not None})
         return sum(storages.values())
-
-
-def _split(off: int, numel: int, shard: int, row: int, col: int) -> list[tuple[int, int, int]]:
-    """Where a parameter at unit offset ``off`` lands in a rank-major bucket: pieces
-    (start, end) of the flattened parameter -> start in the staging buffer."""
-    pieces, a = [], 0
-    while a < numel:
-        e = off + a                      # element of the unit
-        r, c = divmod(e, shard)          # its rank row and column within the unit's shard
-        b = min(numel, a + shard - c)    # up to the end of that shard
-        d = r * row + col + c
-        if pieces and pieces[-1][2] + pieces[-1][1] - pieces[-1][0] == d:
-            pieces[-1] = (pieces[-1][0], b, pieces[-1][2])  # contiguous in the staging buffer: merge
-        else:
-            pieces.append((a, b, d))
-        a = b
-    return pieces

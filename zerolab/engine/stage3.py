@@ -31,17 +31,18 @@ released parameter raise an explanatory error when touched.
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from .base import _nbytes
-from .prefetch import UnitTrace
-from .stage2 import Stage2Engine
+from zerolab.engine import events as ev
+from zerolab.runtime.measure import storage_bytes
+from zerolab.engine.prefetch import UnitTrace
+from zerolab.engine.gathered import GatheredMixin, ReleasedParameter
+from zerolab.engine.stage2 import Stage2Engine
 
 
-class Stage3Engine(Stage2Engine):
+class Stage3Engine(GatheredMixin, Stage2Engine):
     stage = 3
 
     def persist_threshold(self) -> int:
@@ -119,7 +120,7 @@ class Stage3Engine(Stage2Engine):
         buf.untyped_storage().resize_(u.padded * buf.element_size())  # (padded_u,) allocated again
         self.live_elements += u.padded
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
-        self.event("gather-issued", i)
+        self.event(ev.GATHER_ISSUED, i)
         self._inflight[i] = self.communicator.all_gather(buf, self.flat.shard_view(self.param_shard, u),
                                                          async_op=True, tag=f"unit-{i}")
 
@@ -130,7 +131,7 @@ class Stage3Engine(Stage2Engine):
                 p.__class__ = p._zl_class
             p.data = v
         self._gathered.add(i)
-        self.event("gather-done", i)
+        self.event(ev.GATHER_DONE, i)
 
     def release_params(self, i: int) -> None:
         """Free unit ``i``: its params become empty tensors and its buffer's storage 0 bytes."""
@@ -147,7 +148,7 @@ class Stage3Engine(Stage2Engine):
         self._ahead.discard(i)
         self._keep.discard(i)
         self.live_elements -= self.flat.units[i].padded
-        self.event("release", i)
+        self.event(ev.RELEASE, i)
 
     def prefetch(self) -> None:
         """All-gather the next units of the recorded order asynchronously, greedily and in
@@ -207,10 +208,10 @@ class Stage3Engine(Stage2Engine):
                     self.trace.start()
                     self._grads_left = list(self._n_params)
             self._use(units)
-            self.event("forward-start" if root else "unit-fwd-start", index)   # compute starts now
+            self.event(ev.FORWARD_START if root else ev.UNIT_FWD_START, index)   # compute starts now
 
         def post_forward(_, args, output):
-            self.event("forward-end" if root else "unit-fwd-end", index)
+            self.event(ev.FORWARD_END if root else ev.UNIT_FWD_END, index)
             tensors = [t for t in _tensors(output) if t.requires_grad]
             if tensors and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
@@ -223,7 +224,7 @@ class Stage3Engine(Stage2Engine):
         def pre_backward(_grad):
             self._use(units)
             if not root:
-                self.event("unit-bwd-start", index)
+                self.event(ev.UNIT_BWD_START, index)
 
         return [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward)]
 
@@ -233,7 +234,7 @@ class Stage3Engine(Stage2Engine):
         i = self._unit_of[id(p)]
         self._grads_left[i] -= 1
         if self._grads_left[i] == 0 and i not in self.persistent:
-            self.event("unit-bwd-end", i)
+            self.event(ev.UNIT_BWD_END, i)
             self.release_params(i)
 
     def _end_of_backward(self) -> None:
@@ -256,34 +257,6 @@ class Stage3Engine(Stage2Engine):
             self.communicator.all_gather(self._full[i], self.flat.shard_view(self.param_shard, u),
                                          tag="persistent-params")
 
-    # ---------------------------------------------------------------- outside forward
-    @contextmanager
-    def gathered(self, params, modifier_rank=None):
-        """Full ``params`` inside the block (collective: every rank must enter). With
-        ``modifier_rank=r``, rank r's in-place edits are broadcast and re-partitioned on exit."""
-        units = sorted({self._unit_of[id(p)] for p in params if id(p) in self._unit_of})
-        fetched = [i for i in units if i not in self._gathered and i not in self.persistent]
-        self.gather_params(fetched)
-        try:
-            yield
-            if modifier_rank is not None:
-                self._repartition(units, modifier_rank)
-        finally:
-            for i in fetched:
-                self.release_params(i)
-
-    @torch.no_grad()
-    def _repartition(self, units, src: int) -> None:
-        for i in units:
-            u = self.flat.units[i]
-            self.communicator.broadcast(self._full[i], src=src, tag="modified-params")
-            new = self._full[i][self.rank * u.shard: (self.rank + 1) * u.shard]   # (S,) the edited shard
-            shard = self.flat.shard_view(self.param_shard, u)
-            changed = shard != new
-            shard.copy_(new)
-            if self.master is not None:   # fp32 master: only the edited elements take the 16-bit value
-                self.targets[i][changed] = new[changed].float()
-
     def full_state_dict(self) -> dict:
         """Collective: consolidated fp32 parameters (the units are gathered for their shapes)."""
         with self.gathered(self.flat.params()):
@@ -293,8 +266,8 @@ class Stage3Engine(Stage2Engine):
     def memory(self):
         """Stage 2's report; params add the persistent unit, buffers the gathered units."""
         r = super().memory()
-        r.params += sum(_nbytes(self._full[i]) for i in self.persistent)
-        r.buffers += sum(_nbytes(b) for i, b in enumerate(self._full) if i not in self.persistent)
+        r.params += sum(storage_bytes(self._full[i]) for i in self.persistent)
+        r.buffers += sum(storage_bytes(b) for i, b in enumerate(self._full) if i not in self.persistent)
         return r
 
     def close(self) -> None:
@@ -312,24 +285,3 @@ def _tensors(x):
     if isinstance(x, dict):
         return [t for v in x.values() for t in _tensors(v)]
     return []
-
-
-_HARMLESS = {"__get__", "__set__", "__delete__", "numel", "dim", "size", "__len__"}
-
-
-class ReleasedParameter(nn.Parameter):
-    """A released parameter under ``{"zerolab": {"debug": true}}``: any use raises."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") not in _HARMLESS:
-            for a in list(args) + list((kwargs or {}).values()):
-                if isinstance(a, ReleasedParameter):
-                    raise RuntimeError(
-                        f"ZeRO-3 released parameter {a._zl_name!r}: outside its unit's forward and backward "
-                        f"this rank keeps only a 1/N shard of it, and the parameter itself is an empty "
-                        f"tensor. To read it, wrap the code in `with zl.gathered_parameters(engine, module):`;"
-                        f" to change it, edit in place inside `with zl.gathered_parameters(engine, module, "
-                        f"modifier_rank=0):` (rank 0's edit is kept). (Raised because zerolab.debug is on.)")
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))

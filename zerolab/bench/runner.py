@@ -1,0 +1,301 @@
+"""``python -m zerolab bench``: our engines against PyTorch and DeepSpeed, side by side (chapter 10).
+
+One ``zl.launch`` per world size runs every contender (``bench_peers``) in the
+same rank processes, one thread per rank, on the same TinyGPT, config and
+synthetic batches. Timing is interleaved: each round runs ``steps`` steps of
+every contender in turn (the order rotates from round to round), so machine
+noise falls on all of them alike; the ratio ours/peer compares medians from
+the same run. A step's time is the slowest rank's, each step starting at a
+barrier; warm-up steps are not timed.
+
+Per contender and rank, memory is measured in a first pass that builds and
+trains one contender at a time and tears it down before the next: *peak* =
+the highest resident set while it is built and trained (VmHWM,
+``measure.PeakMeter("hwm")``), *held* = what stays resident after its last
+step, both above the resident set just before it was built. Resident, not
+allocated: DeepSpeed's up-front ``reduce_bucket_size`` buffer (5e8 elements
+by default) is never touched on CPU and does not count. Bytes per step: our
+ledger; the peers' from the ring formulas. After the last step every contender's full parameters are compared with the
+first contender's (max abs difference): all of them do the same maths.
+
+``--overlap`` times only our engine: ``overlap_comm`` off and on (stage 3:
+prefetch and overlap off and on), on raw loopback and on a simulated link
+(``--link``, default "demo"), with buckets small enough (``--bucket``,
+default Ψ/4) that there is something to overlap.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+
+from zerolab.bench import peers as bp
+from zerolab.bench.report import ratios, speedups  # noqa: F401 - summaries of one world size
+
+SCHEMA = "zerolab-bench/1"
+
+
+@dataclass
+class Spec:
+    """One contender: which runner, which stage, which config."""
+    key: str     # unique in a run, e.g. "ours-1", "deepspeed-1", "ours-2-overlap-demo"
+    kind: str    # a key of bench_peers.KINDS
+    stage: int
+    label: str
+    cfg: dict
+
+
+def model_params(preset: str) -> int:
+    return sum(p.numel() for p in bp.build_model(preset).parameters())
+
+
+def compare_specs(stages, world_size: int, batch: int, overlap_comm=None,
+                  bucket=None) -> tuple[list[Spec], list[str]]:
+    """Ours at each stage, then its peers (bench_peers.PEERS); notes say what was skipped.
+    ``overlap_comm`` / ``bucket`` go into the config ours and DeepSpeed share (None: defaults)."""
+    specs, notes, micro = [], [], batch // world_size
+    have_ds = bp.deepspeed_available()
+    if not have_ds and any(s in (1, 2, 3) for s in stages):
+        notes.append("DeepSpeed is not installed (pip install 'zerolab[bench]'): its rows are skipped")
+    for s in stages:
+        cfg = bp.ds_config(s, micro, overlap_comm=overlap_comm, bucket=bucket)
+        if bp.ours_available(s):
+            specs.append(Spec(f"ours-{s}", "ours", s, bp.label("ours", s), cfg))
+        else:
+            notes.append(f"zerolab stage {s} is not implemented yet: only its peers run")
+        for kind in bp.PEERS[s]:
+            if kind == "deepspeed" and not have_ds:
+                continue
+            specs.append(Spec(f"{kind}-{s}", kind, s, bp.label(kind, s), cfg))
+    if any(sp.kind == "deepspeed" for sp in specs) and bucket is None:
+        notes.append("DeepSpeed allocates a reduce_bucket_size buffer up front (5e8 fp32 elements = 2 GB by "
+                     "default); on CPU nobody touches its pages, so it is not resident and not in 'peak'")
+    notes.append("sent/step counts the ring algorithm's bytes; gloo moves more (its reduce-scatter is an "
+                 "all-reduce inside), so time, not bytes, is where gloo's choices show")
+    return specs, notes
+
+
+def overlap_specs(stages, world_size: int, batch: int, bucket: int, link: str) -> tuple[list[Spec], list[str]]:
+    """Ours only: overlap_comm off/on x raw loopback / simulated ``link``."""
+    specs, notes, micro = [], [], batch // world_size
+    for s in stages:
+        if not bp.ours_available(s):
+            notes.append(f"zerolab stage {s} is not implemented yet: skipped")
+            continue
+        for where in (None, link):
+            for overlap in (False, True):
+                if s == 3:  # stage 3's overlap is prefetch: the next unit's all-gather in flight
+                    knobs, what = dict(overlap_comm=overlap, stage3_prefetch_bucket_size=bucket if overlap else 0), \
+                        "prefetch+overlap"
+                else:
+                    knobs, what = dict(overlap_comm=overlap), "overlap_comm"
+                cfg = bp.ds_config(s, micro, bucket=bucket, link=where, **knobs)
+                key = f"ours-{s}-{'overlap' if overlap else 'serial'}-{where or 'loopback'}"
+                extra = f", {what} {'on' if overlap else 'off'}, {where or 'loopback'}"
+                specs.append(Spec(key, "ours", s, bp.label("ours", s, extra), cfg))
+    return specs, notes
+
+
+# ---------------------------------------------------------------- one rank
+def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
+    """Runs on every rank: build all contenders, time them round-robin, cross-check parameters."""
+    import torch.distributed as dist
+    from zerolab.book.models import synthetic_batch
+    warnings.filterwarnings("ignore", category=FutureWarning)      # gloo's renamed collectives
+    warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.jit inside the peers
+    warnings.filterwarnings("ignore", module=r"deepspeed.*")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = warmup + 1 + steps * repeats
+    data = [synthetic_batch(preset, batch, seed=0, step=k, rank=rank, world_size=world) for k in range(total)]
+    runners, out = [], {s.key: dict(times=[], cpu=[], held=None, peak=None, build_s=0.0) for s in specs}
+
+    def one_step(r, cpu=None):
+        x, y = data[r.steps]
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        r.step(x, y)
+        t = time.perf_counter() - t0
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)  # all threads of this rank (compute + gloo)
+        return t
+
+    if memory:  # one contender at a time, each torn down before the next
+        for spec in specs:
+            out[spec.key].update(_memory_pass(spec, preset, warmup, one_step))
+    for spec in specs:
+        t0 = time.perf_counter()
+        r = bp.build(spec.kind, preset, spec.stage, spec.cfg)
+        for _ in range(warmup + 1):
+            one_step(r)
+        out[spec.key]["build_s"] = time.perf_counter() - t0
+        r.reset_bytes()  # the ledger counts the timed steps only
+        runners.append((spec, r))
+    for rnd in range(repeats):
+        order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
+        for spec, r in order:
+            for _ in range(steps):
+                out[spec.key]["times"].append(one_step(r, out[spec.key]["cpu"]))
+    ref = None
+    for spec, r in runners:
+        full = r.full_params()  # collective: every rank calls it
+        out[spec.key]["bytes_per_step"] = r.bytes_per_step
+        out[spec.key]["bytes_source"] = r.bytes_source
+        if ref is None:
+            ref = full
+        out[spec.key]["max_abs_diff"] = max(float((full[n] - ref[n]).abs().max()) for n in ref)
+        r.close()
+    return out
+
+
+def _memory_pass(spec, preset, warmup, one_step) -> dict:
+    """Resident bytes this contender adds on this rank: ``peak`` while it is built and
+    trained (VmHWM, measure.PeakMeter("hwm")), ``held`` after the last step, both above
+    the resident set just before it was built."""
+    import gc
+    from zerolab.runtime.measure import PeakMeter, status_kb, trim_heap
+    gc.collect()
+    trim_heap()
+    anon0 = status_kb("RssAnon") or 0
+    with PeakMeter("hwm") as pm:
+        r = bp.build(spec.kind, preset, spec.stage, spec.cfg)
+        for _ in range(warmup + 1):
+            one_step(r)
+    gc.collect()
+    trim_heap()
+    held = ((status_kb("RssAnon") or 0) - anon0) * 1024  # anonymous pages: data, not code
+    r.close()
+    del r
+    gc.collect()
+    return dict(peak=pm.peak, held=max(0, held))
+
+
+# ---------------------------------------------------------------- the parent
+def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, timeout) -> dict:
+    """Launch ``world_size`` ranks, run every contender, summarise per contender."""
+    from zerolab.runtime.launch import launch
+    from zerolab.theory.memory import estimate
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the ranks
+    _preload({s.kind for s in specs})
+    per_rank = launch(_rank_main, world_size=world_size, threads=1, timeout=timeout,
+                      args=(specs, preset, batch, steps, repeats, warmup, memory))
+    rows = []
+    for spec in specs:
+        ranks = [pr[spec.key] for pr in per_rank]
+        step_s = [max(ts) for ts in zip(*(r["times"] for r in ranks))]  # the slowest rank's step
+        cpu_s = [sum(cs) / len(cs) for cs in zip(*(r["cpu"] for r in ranks))]  # CPU seconds per rank
+        q = statistics.quantiles(step_s, n=4) if len(step_s) > 1 else [step_s[0]] * 3
+        rows.append(dict(
+            key=spec.key, kind=spec.kind, stage=spec.stage, label=spec.label,
+            library=bp.KINDS[spec.kind].library,
+            median_ms=1e3 * statistics.median(step_s), q1_ms=1e3 * q[0], q3_ms=1e3 * q[2],
+            times_ms=[1e3 * t for t in step_s],
+            cpu_ms=1e3 * statistics.median(cpu_s),
+            peak_bytes=[r["peak"] for r in ranks], held_bytes=[r["held"] for r in ranks],
+            bytes_per_step=ranks[0]["bytes_per_step"], bytes_source=ranks[0]["bytes_source"],
+            max_abs_diff=max(r["max_abs_diff"] for r in ranks),
+            build_s=max(r["build_s"] for r in ranks),
+            states_theory_bytes=estimate(model_params(preset), world_size, spec.stage, "fp32").total,
+            link=spec.cfg.get("zerolab", {}).get("link"),
+            overlap_comm=spec.cfg["zero_optimization"].get("overlap_comm")))
+    return dict(world_size=world_size, contenders=rows)
+
+
+def _preload(kinds) -> None:
+    """Import what the peers import lazily (torch._dynamo alone takes ~3 s) once, in the
+    parent: the forked ranks inherit it instead of each paying for it inside the run."""
+    import importlib
+    mods = ["zerolab.engine"] + (["torch._dynamo", "torch.nn.parallel"] if kinds - {"ours"} else [])
+    mods += ["torch.distributed.fsdp"] if "fsdp2" in kinds else []
+    mods += ["deepspeed", "deepspeed.comm.torch", "deepspeed.runtime.engine",
+             "deepspeed.runtime.zero.muon.muon_optimizer"] if "deepspeed" in kinds else []  # imports inductor
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for m in mods:
+            importlib.import_module(m)
+
+
+def bench(world_sizes=(2, 4), stages=(0, 1, 2, 3), steps=2, repeats=10, model="small", out="build/bench",
+          overlap=False, link=None, bucket=None, overlap_comm=None, batch=8, warmup=2, memory=True,
+          timeout=1800, verbose=True) -> dict:
+    """Run the benchmark; write ``bench.json`` (+ ``bench.png``) into ``out``; return the result."""
+    import torch
+    if any(batch % w for w in world_sizes):
+        raise ValueError(f"--batch {batch} must be divisible by every world size {list(world_sizes)}")
+    if link is not None and not overlap:
+        raise ValueError("--link applies to --overlap runs (our engine only): the peers cannot use a "
+                         "simulated link, so the side-by-side comparison runs on raw loopback")
+    if steps < 1 or repeats < 1 or warmup < 0:
+        raise ValueError("--steps and --repeats must be >= 1, --warmup >= 0")
+    psi = model_params(model)
+    link = link or "demo"
+    if overlap:
+        bucket = bucket or -(-psi // 4)
+    result = dict(schema=SCHEMA, mode="overlap" if overlap else "compare",
+                  settings=dict(model=model, params=psi, batch=batch, steps=steps, repeats=repeats, warmup=warmup,
+                                threads_per_rank=1, backend="gloo", precision="fp32",
+                                optimizer="Adam (lr 1e-3, no weight decay)", torch=torch.__version__,
+                                deepspeed=_ds_version(), link=link if overlap else None,
+                                bucket=bucket, overlap_comm=overlap_comm,
+                                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())),
+                  notes=[], runs=[])
+    for w in world_sizes:
+        specs, notes = (overlap_specs(stages, w, batch, bucket, link) if overlap
+                        else compare_specs(stages, w, batch, overlap_comm, bucket))
+        result["notes"] += [n for n in notes if n not in result["notes"]]
+        if not specs:
+            continue
+        t0 = time.perf_counter()
+        world = run_world(specs, w, model, batch, steps, repeats, warmup, memory, timeout)
+        world["seconds"] = time.perf_counter() - t0
+        world["ratios" if not overlap else "speedups"] = ratios(world) if not overlap else speedups(world)
+        world["max_abs_diff"] = max(r["max_abs_diff"] for r in world["contenders"])
+        result["runs"].append(world)
+        if verbose:
+            from zerolab.bench.report import world_table
+            print(world_table(result, world), flush=True)
+    if out:
+        from zerolab.bench.report import save
+        save(result, out)
+    return result
+
+
+def _ds_version():
+    if not bp.deepspeed_available():
+        return None
+    from importlib.metadata import version
+    return version("deepspeed")
+
+
+# ---------------------------------------------------------------- command line (cli.COMMANDS)
+def add_bench_args(p):
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="N")
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4), metavar="S")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
+    p.add_argument("--repeats", type=int, default=10, help="interleaved rounds")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first")
+    p.add_argument("--model", choices=sorted(bp.BENCH_MODELS), default="small")
+    p.add_argument("--batch", type=int, default=8, help="global batch (rows of seq_len tokens)")
+    p.add_argument("--out", default="build/bench", help="folder for bench.json and bench.png ('' = none)")
+    p.add_argument("--overlap", action="store_true", help="ours only: overlap_comm off/on, loopback and --link")
+    p.add_argument("--link", default=None, help="simulated link for --overlap (zerolab.theory.network.LINKS; default demo)")
+    p.add_argument("--bucket", type=float, default=None,
+                   help="reduce/allgather_bucket_size in elements for ours and DeepSpeed (default: DeepSpeed's "
+                        "5e8; with --overlap: Ψ/4)")
+    p.add_argument("--overlap-comm", choices=("on", "off"), default=None,
+                   help="overlap_comm for ours and DeepSpeed (default: DeepSpeed's, off for stages 0-2)")
+    p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the profiler memory pass")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
+
+
+def cmd_bench(args) -> int:
+    if args.link is not None:
+        from zerolab.theory.network import get_link
+        get_link(args.link)  # ValueError names the presets
+    bench(world_sizes=args.world_sizes, stages=args.stages, steps=args.steps, repeats=args.repeats,
+          model=args.model, out=args.out, overlap=args.overlap, link=args.link,
+          bucket=int(args.bucket) if args.bucket else None,
+          overlap_comm=None if args.overlap_comm is None else args.overlap_comm == "on",
+          batch=args.batch, warmup=args.warmup, memory=args.memory, timeout=args.timeout)
+    return 0

@@ -1,0 +1,292 @@
+"""Interactive widgets of the book: the Memory Explorer (chapter 1) and the ring
+all-reduce stepper (chapter 2).
+
+Both are built with ``ipywidgets.interactive_output``: the controls are plain
+widgets (``explorer.psi``, ``explorer.n_gpus``, ``stepper.step`` ...), and every
+change redraws a matplotlib figure that is shown as a PNG image. The state is
+also kept as data (``explorer.data``, ``stepper.state``) and the last figure as
+``.figure`` / ``.png``, so tests can set ``widget.value`` and check what changed
+without a browser. Pyplot is never used, so nothing leaks out of the output area.
+"""
+from __future__ import annotations
+
+import contextlib
+import html
+import io
+
+import ipywidgets as W
+from IPython.display import Image, display
+
+from zerolab.book import plots
+
+PRESETS = {"7.5B": 7.5e9, "13B": 13e9, "70B": 70e9, "175B": 175e9}
+GPUS_GB = (24, 40, 80, 141)      # RTX 4090; A100 40GB; A100 80GB or H100; H200
+N_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+STAGES = (0, 1, 2, 3)
+# zerolab.theory.network.LINKS preset -> label (the links the seeds discuss; chapter 2)
+LINK_CHOICES = {"nvlink3": "NVLink A100 (300 GB/s each way)", "infiniband-200g": "InfiniBand 200 Gb/s",
+                "ethernet-100g": "Ethernet 100 Gb/s"}
+_WIDE = {"description_width": "initial"}
+
+
+def format_params(psi: float) -> str:
+    """7.5e9 -> '7.5B', 1e12 -> '1T': parameter counts as the book writes them."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
+        if psi >= scale:
+            return f"{psi / scale:.3g}{unit}"
+    return f"{psi:.0f}"
+
+
+# -- chapter 1: the Memory Explorer ------------------------------------------
+
+class MemoryExplorer:
+    """Sliders over Ψ, N, precision, optimizer, offload and activations; one
+    stacked bar per stage (bytes per GPU) and the bytes each GPU sends per step.
+
+    ``MemoryExplorer().widget`` is what the notebook displays; ``.data`` holds the
+    numbers the last figure drew, ``.figure`` the figure, ``.png`` its image.
+    """
+
+    def __init__(self, psi=7.5e9, n_gpus=64, precision="mixed", optimizer="adam",
+                 gpu_gb=80, layers=32, hidden=4096, heads=32, seq_len=2048, micro_batch=1,
+                 checkpointing=False, link="infiniband-200g"):
+        from zerolab import theory
+        self._theory = theory
+        self.psi = W.FloatLogSlider(value=psi, base=10, min=8, max=12, step=0.01,
+                                    description="Ψ (parameters)", readout_format=".3g",
+                                    continuous_update=False, style=_WIDE,
+                                    layout=W.Layout(width="420px"))
+        self.psi.add_class("zl-psi")
+        self.presets = [W.Button(description=k, layout=W.Layout(width="64px")) for k in PRESETS]
+        for b in self.presets:
+            b.on_click(lambda btn: setattr(self.psi, "value", PRESETS[btn.description]))
+        self.n_gpus = W.SelectionSlider(options=N_CHOICES, value=n_gpus, description="N (GPUs)",
+                                        continuous_update=False, style=_WIDE)
+        self.n_gpus.add_class("zl-n")
+        self.precision = W.Dropdown(options=["fp32", "mixed", "mixed_fp32_grads"], value=precision,
+                                    description="precision", style=_WIDE)
+        self.optimizer = W.Dropdown(options=_optimizer_options(theory), value=optimizer,
+                                    description="optimizer", style=_WIDE)
+        self.offload_optimizer = W.Dropdown(options=["none", "cpu", "nvme"], value="none",
+                                            description="offload_optimizer", style=_WIDE)
+        self.offload_param = W.Dropdown(options=["none", "cpu", "nvme"], value="none",
+                                        description="offload_param (ZeRO-3)", style=_WIDE)
+        self.gpu_gb = W.Dropdown(options=[(f"{g} GB", g) for g in GPUS_GB], value=gpu_gb,
+                                 description="GPU memory", style=_WIDE)
+        self.layers = W.IntSlider(value=layers, min=1, max=128, description="layers",
+                                  continuous_update=False)
+        self.hidden = W.IntSlider(value=hidden, min=256, max=16384, step=256, description="hidden",
+                                  continuous_update=False)
+        self.heads = W.IntSlider(value=heads, min=1, max=128, description="heads",
+                                 continuous_update=False)
+        self.seq_len = W.IntSlider(value=seq_len, min=128, max=32768, step=128, description="seq len",
+                                   continuous_update=False)
+        self.micro_batch = W.IntSlider(value=micro_batch, min=1, max=64, description="micro-batch",
+                                       continuous_update=False)
+        self.checkpointing = W.Checkbox(value=checkpointing, description="activation checkpointing")
+        self.link = W.Dropdown(options=[(label, name) for name, label in LINK_CHOICES.items()],
+                               value=link, description="link", style=_WIDE)
+        self.grad_accum = W.IntSlider(value=1, min=1, max=16, description="micro-batches per step (g)",
+                                      continuous_update=False, style=_WIDE)
+        self.controls = dict(psi=self.psi, n_gpus=self.n_gpus, precision=self.precision,
+                             optimizer=self.optimizer, offload_optimizer=self.offload_optimizer,
+                             offload_param=self.offload_param, gpu_gb=self.gpu_gb,
+                             layers=self.layers, hidden=self.hidden, heads=self.heads,
+                             seq_len=self.seq_len, micro_batch=self.micro_batch,
+                             checkpointing=self.checkpointing, link=self.link,
+                             grad_accum=self.grad_accum)
+        self.data, self.figure, self.png, self.renders = None, None, None, 0
+        self.output = W.interactive_output(self._draw, self.controls)
+        acts = W.VBox([W.HBox([self.layers, self.hidden, self.heads]),
+                       W.HBox([self.seq_len, self.micro_batch, self.checkpointing])])
+        comm = W.HBox([self.link, self.grad_accum])
+        acc = W.Accordion(children=[acts, comm],
+                          titles=("activations (GPT-like model)", "communication (chapter 2)"))
+        self.widget = W.VBox([
+            W.HBox([self.psi, W.Label("presets:"), *self.presets]),
+            W.HBox([self.n_gpus, self.precision, self.optimizer]),
+            W.HBox([self.offload_optimizer, self.offload_param, self.gpu_gb]),
+            acc, self.output])
+
+    def _ipython_display_(self):
+        display(self.widget)
+
+    def compute(self, psi, n_gpus, precision, optimizer, offload_optimizer, offload_param,
+                layers, hidden, heads, seq_len, micro_batch, checkpointing,
+                link="infiniband-200g", grad_accum=1, **_):
+        """Bytes per GPU for every stage, from ``zl.estimate`` / ``zl.activation_memory``."""
+        th = self._theory
+        psi = int(round(psi))
+        act = th.activation_memory(layers, hidden, heads, seq_len, micro_batch,
+                                   checkpointing=checkpointing,
+                                   dtype_bytes=4 if precision == "fp32" else 2)
+        data = {k: [] for k in ("params", "grads", "optimizer", "activations", "total",
+                                "host", "nvme", "comm", "comm_seconds")}
+        for stage in STAGES:
+            est = th.estimate(psi, n_gpus, stage, precision=precision, optimizer=optimizer,
+                              offload_optimizer=offload_optimizer if stage >= 1 else "none",
+                              offload_param=offload_param if stage == 3 else "none")
+            for k in ("params", "grads", "optimizer", "host", "nvme"):
+                data[k].append(getattr(est, k))
+            data["activations"].append(act)
+            data["total"].append(est.total + act)
+            comm = dict(dtype_bytes=4 if precision == "fp32" else 2, grad_accum=grad_accum)
+            data["comm"].append(th.comm_volume(psi, n_gpus, stage, **comm))
+            data["comm_seconds"].append(th.step_comm_time(psi, n_gpus, stage, link, **comm))
+        return data
+
+    def _draw(self, gpu_gb, **settings):
+        self.data = data = self.compute(**settings)
+        fig, (ax_mem, ax_comm) = plots.new_axes(figsize=(10, 4.2), ncols=2)
+        fig.get_layout_engine().set(w_pad=0.1)
+        p = settings
+        plots.stage_memory_bars(data, capacity_gb=gpu_gb, ax=ax_mem,
+                                title=f"Ψ = {format_params(p['psi'])}, N = {p['n_gpus']}, "
+                                      f"{p['precision']}, {p['optimizer']}")
+        xs = range(len(STAGES))
+        comm_gb = [c / plots.GB for c in data["comm"]]
+        ax_comm.bar(xs, comm_gb, color="#8172B3", width=0.6)
+        for x, gb, sec in zip(xs, comm_gb, data["comm_seconds"]):
+            ax_comm.text(x, gb, f"{plots.gb_label(gb)}\n{sec:.3g} s", ha="center", va="bottom", fontsize=8)
+        ax_comm.set_ylim(0, 1.2 * max(comm_gb) if max(comm_gb) > 0 else 1)
+        ax_comm.set_xticks(list(xs), list(plots.STAGE_NAMES))
+        ax_comm.set_xlabel("data-parallel strategy")
+        ax_comm.set_ylabel("bytes sent per GPU per step (GB = 1e9 bytes)")
+        g = p["grad_accum"]
+        ax_comm.set_title(f"Sent per step{f' (g = {g})' if g > 1 else ''}; time on {LINK_CHOICES[p['link']]}",
+                          fontsize=10)
+        self.figure, self.png = fig, plots.figure_png(fig)
+        self.renders += 1
+        fits = ", ".join(f"{name} {'fits' if t <= gpu_gb * plots.GB else 'does not fit'}"
+                         for name, t in zip(plots.STAGE_NAMES, data["total"]))
+        display(Image(data=self.png, format="png"))
+        print(f"Ψ = {format_params(p['psi'])} parameters, N = {p['n_gpus']}. "
+              f"With {gpu_gb} GB per GPU: {fits}.")
+
+    def render(self):
+        """Redraw with the current control values; returns the figure."""
+        self._draw(**{k: w.value for k, w in self.controls.items()})
+        return self.figure
+
+
+def _optimizer_options(theory):
+    names = getattr(theory, "OPTIMIZERS", None)
+    return list(names) if names else ["adam", "adamw", "sgd"]
+
+
+# -- chapter 2: the ring all-reduce ------------------------------------------
+
+def ring_sends(n: int, step: int) -> list[tuple[int, int, int]]:
+    """``(src, dst, chunk)`` transfers of ring all-reduce step ``step`` (0-based).
+
+    Steps 0..n-2 are the reduce-scatter (the receiver adds the chunk to its own),
+    steps n-1..2n-3 the all-gather (the receiver stores the finished chunk).
+    Every rank sends one chunk (1/n of the tensor) per step, to its right neighbour.
+    """
+    if not 0 <= step < 2 * (n - 1):
+        raise ValueError(f"step must be in [0, {2 * (n - 1)}) for n = {n}, got {step}")
+    if step < n - 1:
+        return [(r, (r + 1) % n, (r - step) % n) for r in range(n)]
+    s = step - (n - 1)
+    return [(r, (r + 1) % n, (r + 1 - s) % n) for r in range(n)]
+
+
+def ring_allreduce_states(n: int) -> list[list[list[frozenset]]]:
+    """``states[k][r][c]``: ranks whose data rank ``r`` holds in chunk ``c`` after ``k`` steps.
+
+    ``states[0]``: each rank holds only its own contribution; ``states[n-1]``: rank
+    ``r`` holds the full sum of chunk ``(r+1) % n`` (reduce-scatter done);
+    ``states[2n-2]``: every rank holds every summed chunk (all-reduce done).
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    state = [[frozenset([r]) for _ in range(n)] for r in range(n)]
+    states = [state]
+    for step in range(2 * (n - 1)):
+        new = [row[:] for row in state]
+        for src, dst, c in ring_sends(n, step):
+            new[dst][c] = state[dst][c] | state[src][c] if step < n - 1 else state[src][c]
+        state = new
+        states.append(state)
+    return states
+
+
+class RingAllReduceStepper:
+    """Step through a ring all-reduce on N ranks: which chunk each rank holds and sends.
+
+    Controls: ``.n`` (ranks), ``.step`` (steps done), and Next / Back buttons.
+    ``.state`` is ``ring_allreduce_states(n)[step]``; ``.sends`` the next step's transfers.
+    """
+
+    def __init__(self, n=4, nbytes=1_000_000):
+        self.nbytes = nbytes
+        self.n = W.IntSlider(value=n, min=2, max=8, description="N (ranks)", continuous_update=False)
+        self.step = W.IntSlider(value=0, min=0, max=2 * (n - 1), description="steps done",
+                                continuous_update=False)
+        self.step.add_class("zl-step")
+        self.back = W.Button(description="◀ Back", layout=W.Layout(width="80px"))
+        self.next = W.Button(description="Next ▶", layout=W.Layout(width="80px"))
+        self.back.on_click(lambda _: setattr(self.step, "value", max(0, self.step.value - 1)))
+        self.next.on_click(lambda _: setattr(self.step, "value",
+                                              min(self.step.max, self.step.value + 1)))
+        self.n.observe(self._on_n, "value")
+        self.state, self.sends, self.figure, self.png, self.renders = None, [], None, None, 0
+        self.output = W.interactive_output(self._draw, {"n": self.n, "step": self.step})
+        self.widget = W.VBox([W.HBox([self.n, self.step, self.back, self.next]), self.output])
+
+    def _ipython_display_(self):
+        display(self.widget)
+
+    def _on_n(self, change):
+        # keep the step inside the new range before the redraw reads it
+        self.step.value = min(self.step.value, 2 * (change["new"] - 1))
+        self.step.max = 2 * (change["new"] - 1)
+
+    def bytes_sent(self, n=None, step=None) -> int:
+        """Bytes each rank has sent after ``step`` steps: one chunk (nbytes/n) per step."""
+        n = self.n.value if n is None else n
+        step = self.step.value if step is None else step
+        return step * self.nbytes // n
+
+    def _draw(self, n, step):
+        step = min(step, 2 * (n - 1))
+        self.state = ring_allreduce_states(n)[step]
+        self.sends = ring_sends(n, step) if step < 2 * (n - 1) else []
+        phase = ("reduce-scatter" if step < n - 1 else "all-gather" if step < 2 * (n - 1)
+                 else "done")
+        fig, ax = plots.new_axes(figsize=(6.5, 1.5 + 0.9 * n))
+        title = (f"Ring all-reduce, N = {n}: {step} of {2 * (n - 1)} steps done"
+                 f"\nnext: {phase}" if phase != "done" else
+                 f"Ring all-reduce, N = {n}: all {2 * (n - 1)} steps done")
+        plots.ring_grid(self.state, self.sends, ax=ax, title=title)
+        self.figure, self.png = fig, plots.figure_png(fig)
+        self.renders += 1
+        display(Image(data=self.png, format="png"))
+        sent = self.bytes_sent(n, step)
+        print(f"Each rank has sent {step} chunk(s) = {sent:,} bytes; the whole all-reduce sends "
+              f"2(N-1)/N x {self.nbytes:,} = {2 * (n - 1) * self.nbytes // n:,} bytes per rank.")
+        if self.sends:
+            print("Next step (red): " + ", ".join(f"rank {s}->{d} chunk {c}" for s, d, c in self.sends))
+
+    def render(self):
+        self._draw(self.n.value, self.step.value)
+        return self.figure
+
+
+# -- interview answers ---------------------------------------------------------
+
+@contextlib.contextmanager
+def folded(summary="numbers"):
+    """Show what the block prints folded under ``summary`` (a ``<details>`` element).
+
+    Chapters compute the numbers of interview answers with it, so running the
+    notebook does not print the answer under the question:
+    ``with folded("numbers for Q2"): print(...)``.
+    """
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        yield
+    text = buf.getvalue()
+    display({"text/plain": f"{summary}:\n{text}",
+             "text/html": f"<details><summary>{html.escape(summary)}</summary>"
+                          f"<pre>{html.escape(text)}</pre></details>"}, raw=True)

@@ -1,0 +1,25 @@
+"""The theory: pure arithmetic on Ψ, N and links, no torch (chapters 1, 2, 7, 10).
+
+    from zerolab import theory
+    theory.estimate(7.5e9, 64, stage=3).total     # bytes per GPU       (memory)
+    theory.comm_volume(7.5e9, 64, stage=3)        # bytes sent per step (comm)
+    theory.ring_bytes("all_reduce", 4e9, 8)       # one collective      (network)
+    theory.slowdown(...)                          # offload's PCIe/NVMe time (offload)
+
+Files: ``checks`` (argument checks both models share), ``memory``, ``comm``,
+``network`` (links and the ring's bytes), ``offload``. Nothing here imports
+anything of zerolab's outside this folder.
+"""
+from zerolab.theory.checks import STAGES, check_psi_n
+from zerolab.theory.comm import CommOp, comm_breakdown, comm_volume, split_intra_inter, step_comm_time
+from zerolab.theory.memory import (DEVICES, GB, OPTIMIZERS, PRECISIONS, TABLE1_DP, TABLE1_MODELS, DeepSpeedEstimate,
+                                   Estimate, activation_memory, bytes_per_param, deepspeed_estimate, estimate,
+                                   format_paper_gb, table1_text, zero_table1)
+from zerolab.theory.network import LINKS, OPS, Link, get_link, ring_bytes, ring_steps
+from zerolab.theory.offload import Hardware, offload_seconds, slowdown
+
+__all__ = ["STAGES", "check_psi_n", "CommOp", "comm_breakdown", "comm_volume", "split_intra_inter",
+           "step_comm_time", "DEVICES", "GB", "OPTIMIZERS", "PRECISIONS", "TABLE1_DP", "TABLE1_MODELS",
+           "DeepSpeedEstimate", "Estimate", "activation_memory", "bytes_per_param", "deepspeed_estimate", "estimate",
+           "format_paper_gb", "table1_text", "zero_table1", "LINKS", "OPS", "Link", "get_link", "ring_bytes",
+           "ring_steps", "Hardware", "offload_seconds", "slowdown"]

@@ -1,0 +1,251 @@
+"""Where the memory goes: exact per-device bytes of ZeRO stages 0-3 (chapter 1).
+
+Pure arithmetic, no torch. Notation as in the book: ``psi`` parameters, ``n_gpus``
+= N data-parallel ranks, K optimizer bytes per parameter. Bytes everywhere;
+"GB" means 1e9 bytes, as in the ZeRO paper.
+
+Per parameter (params + grads + optimizer state, bytes):
+
+    precision           params grads  adam/adamw  sgd_momentum  sgd
+    "fp32"                 4     4        8            4          0
+    "mixed"                2     2       12            8          4
+    "mixed_fp32_grads"     2     4       12            8          4
+
+In "fp32" the parameters are the update target, so there is no master copy;
+in the mixed modes the optimizer keeps an fp32 master copy (4) plus its
+moments (Adam: m and v, 4 + 4; SGD with momentum: 4; plain SGD: none).
+
+Per device, with shards of ceil(psi / N) elements (a padded flat partition):
+
+    stage 0 (DDP)   params, grads, optimizer whole
+    stage 1         optimizer / N
+    stage 2         optimizer / N, grads / N
+    stage 3         everything / N
+
+Offload (ZeRO-Offload / ZeRO-Infinity): ``offload_optimizer`` ("cpu" | "nvme",
+stages 1-3) moves the optimizer bytes (master + moments) of the rank's shard to
+host RAM or NVMe; the device keeps params and grads. ``offload_param`` (stage 3
+only) moves the rank's parameter shard too. (DeepSpeed also stages an fp32
+gradient partition on the host when offloading; zerolab's engine does not, so
+neither does this model.)
+
+The communication half of the model lives in ``zerolab.theory.comm``; both are
+exported by ``zerolab.theory``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
+
+from zerolab.theory.checks import STAGES, check_psi_n
+from zerolab.theory.checks import choice as _choice
+
+GB = 10**9
+PRECISIONS = ("fp32", "mixed", "mixed_fp32_grads")
+OPTIMIZERS = ("adam", "adamw", "sgd_momentum", "sgd")
+DEVICES = ("none", "cpu", "nvme")
+
+# precision -> (param bytes, grad bytes)
+_PARAM_GRAD_BYTES = {"fp32": (4, 4), "mixed": (2, 2), "mixed_fp32_grads": (2, 4)}
+# optimizer -> fp32 state bytes per parameter besides a master copy (moments)
+_MOMENT_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}
+
+
+def bytes_per_param(precision: str = "mixed", optimizer: str = "adam") -> tuple[int, int, int]:
+    """(param, grad, K) bytes per parameter; K counts master copy + moments."""
+    _choice("precision", precision, PRECISIONS)
+    _choice("optimizer", optimizer, OPTIMIZERS)
+    p, g = _PARAM_GRAD_BYTES[precision]
+    master = 0 if precision == "fp32" else 4
+    return p, g, master + _MOMENT_BYTES[optimizer]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes one rank holds for model states. ``total`` is the device tier."""
+    psi: int
+    n_gpus: int
+    stage: int
+    precision: str
+    optimizer_name: str
+    offload_optimizer: str
+    offload_param: str
+    params: int       # bytes on the device: 16-bit (or fp32) parameters
+    grads: int        # bytes on the device: gradients
+    optimizer: int    # bytes on the device: master copy + moments
+    host: int         # bytes in host RAM (offload to "cpu")
+    nvme: int         # bytes on NVMe (offload to "nvme")
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def all_tiers(self) -> int:
+        """Device + host + NVMe: what the rank's model states take anywhere."""
+        return self.total + self.host + self.nvme
+
+    def gb(self, field: str = "total") -> float:
+        """A field in GB (1e9 bytes), e.g. ``est.gb("grads")``."""
+        return getattr(self, field) / GB
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
+             offload_optimizer="none", offload_param="none") -> Estimate:
+    """Per-rank bytes of params, grads and optimizer state under ZeRO ``stage``.
+
+    Chapter 1 derives it (16Ψ in mixed-precision Adam, split by stage).
+    ``zl.estimate(7.5e9, 64, 1).gb()`` -> 31.4 (the ZeRO paper's Table 1).
+    """
+    psi, n = check_psi_n(psi, n_gpus)
+    _choice("stage", stage, STAGES)
+    _choice("offload_optimizer", offload_optimizer, DEVICES)
+    _choice("offload_param", offload_param, DEVICES)
+    if offload_optimizer != "none" and stage < 1:
+        raise ValueError(f"offload_optimizer={offload_optimizer!r} needs stage 1, 2 or 3 (got stage={stage})")
+    if offload_param != "none" and stage < 3:
+        raise ValueError(f"offload_param={offload_param!r} needs stage 3 (got stage={stage}); "
+                         f"allowed at stage {stage}: ('none',)")
+    p, g, k = bytes_per_param(precision, optimizer)
+    shard = -(-psi // n)                       # elements per rank, padded partition
+    params = p * (shard if stage >= 3 else psi)
+    grads = g * (shard if stage >= 2 else psi)
+    optim = k * (shard if stage >= 1 else psi)
+    off = {"none": 0, "cpu": 0, "nvme": 0}
+    off[offload_optimizer] += optim
+    off[offload_param] += params
+    return Estimate(psi, n, stage, precision, optimizer, offload_optimizer, offload_param,
+                    params=0 if offload_param != "none" else params,
+                    grads=grads,
+                    optimizer=0 if offload_optimizer != "none" else optim,
+                    host=off["cpu"], nvme=off["nvme"])
+
+
+# ---- activations (chapter 1: why ZeRO alone does not make a model fit) ----
+
+def activation_memory(layers, hidden, heads, seq_len, micro_batch, checkpointing=False,
+                      dtype_bytes=2) -> int:
+    """Bytes of activations a GPT-like transformer stores for backward, per rank.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation"), no tensor
+    or sequence parallelism: one layer keeps sbh(34 + 5as/h) bytes in 16-bit,
+    s = seq_len, b = micro_batch, h = hidden, a = heads. Counting tensors:
+    16 sbh-sized values (QKV input, Q, K, V, projection input, two LayerNorm
+    inputs, fc1 input, GeLU input 4h, GeLU output 4h) at ``dtype_bytes`` each,
+    2 sbh-sized 1-byte dropout masks, and per head two s x s score tensors
+    (softmax output, dropout output) plus one 1-byte s x s mask:
+
+        per_layer = sbh (16 d + 2) + a s^2 b (2 d + 1)      (d = 2: 34, 5)
+
+    Full checkpointing keeps only each layer's input (d * sbh per layer) and
+    recomputes one layer at a time in backward, so its activations exist once:
+
+        checkpointing:  layers * d * sbh + per_layer
+        otherwise:      layers * per_layer
+
+    Embeddings, the final LayerNorm and the logits are left out.
+    """
+    vals = dict(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
+                micro_batch=micro_batch, dtype_bytes=dtype_bytes)
+    for name, v in vals.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if dtype_bytes not in (1, 2, 4):
+        raise ValueError(f"dtype_bytes must be one of (1, 2, 4), got {dtype_bytes!r}")
+    s, b, h, a, d = seq_len, micro_batch, hidden, heads, dtype_bytes
+    per_layer = s * b * h * (16 * d + 2) + a * s * s * b * (2 * d + 1)
+    if checkpointing:
+        return layers * d * s * b * h + per_layer
+    return layers * per_layer
+
+
+# ---- DeepSpeed's own estimators (chapter 1 compares them with ours) ----
+
+@dataclass(frozen=True)
+class DeepSpeedEstimate:
+    gpu: int   # bytes per GPU
+    cpu: int   # bytes per node (host RAM), including the buffer factor
+
+
+def deepspeed_estimate(psi, n_gpus, stage, largest_layer=None, gpus_per_node=None,
+                       offload_optimizer=False, offload_param=False, zero_init=True,
+                       buffer_factor=1.5) -> DeepSpeedEstimate:
+    """DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` figures (v0.19).
+
+    ZeRO-2, no offload: gpu = 2Ψ + 18Ψ/N (2 fp16 params; 18 = 2 fp16 grads +
+    4 fp32 grads + 4 fp32 master + 8 Adam moments, per its comment), cpu =
+    4Ψ·gpus_per_node·factor. ZeRO-2 + cpu offload: gpu = 2Ψ, cpu =
+    Ψ·max(4N, 16)·factor. ZeRO-3 (``largest_layer`` params needed):
+    gpu = 4·largest_layer + 18Ψ/N; + optimizer offload: 4·largest + 2Ψ/N;
+    + param offload: 4·largest. The 1.5 buffer factor scales only the CPU
+    figure. Ours differs: 2Ψ + 14Ψ/N for ZeRO-2 (no separate fp32 gradient),
+    16Ψ/N for ZeRO-3 (no gathered-layer buffer) — chapter 1 explains why.
+    """
+    psi, n = check_psi_n(psi, n_gpus)
+    _choice("stage", stage, (2, 3))
+    gpn = n if gpus_per_node is None else gpus_per_node
+    if not isinstance(gpn, int) or gpn < 1 or n % gpn:
+        raise ValueError(f"gpus_per_node must be an integer >= 1 dividing n_gpus={n}, got {gpus_per_node!r}")
+    nodes = n // gpn
+    if stage == 2:
+        if offload_param:
+            raise ValueError("offload_param needs stage 3 (got stage=2)")
+        if offload_optimizer:
+            return DeepSpeedEstimate(2 * psi, int(psi * max(4 * n, 16) * buffer_factor))
+        return DeepSpeedEstimate(2 * psi + int(18 * psi / n), int(psi * 4 * gpn * buffer_factor))
+    if largest_layer is None or largest_layer <= 0:
+        raise ValueError(f"largest_layer (parameters of the largest layer) must be > 0 for stage 3, got {largest_layer!r}")
+    largest = 4 * int(largest_layer)
+    if offload_param and not offload_optimizer:
+        raise ValueError("DeepSpeed's estimator offloads params only together with the optimizer")
+    if offload_optimizer:
+        k, gpu = (18, largest) if offload_param else (16, largest + int(2 * psi / n))
+        per_node = k / nodes if zero_init else max(4 * gpn, k / nodes)
+        return DeepSpeedEstimate(gpu, int(psi * per_node * buffer_factor))
+    cpu = (int(largest_layer) if zero_init else psi) * 4 * gpn * buffer_factor
+    return DeepSpeedEstimate(largest + int(18 * psi / n), int(cpu))
+
+
+# ---- the ZeRO paper's Table 1 ----
+
+TABLE1_MODELS = (7.5e9, 128e9, 1e12)
+TABLE1_DP = (1, 4, 16, 64, 256, 1024)
+TABLE1_STAGES = (1, 2, 3)   # P_os, P_os+g, P_os+g+p
+
+
+def zero_table1(models=TABLE1_MODELS, dp=TABLE1_DP) -> dict:
+    """{(psi, N, stage): GB per device} for mixed-precision Adam (K = 12).
+
+    Rajbhandari et al. 2020, Table 1: stage 1 = 4Ψ + 12Ψ/N, stage 2 =
+    2Ψ + 14Ψ/N, stage 3 = 16Ψ/N, in GB = 1e9 bytes.
+    """
+    return {(psi, n, s): estimate(psi, n, s).total / GB
+            for psi in models for n in dp for s in TABLE1_STAGES}
+
+
+def format_paper_gb(gb: float) -> str:
+    """Format a GB figure as Table 1 prints it.
+
+    Below 10: two decimals; below 100: one decimal; from 100: whole GB,
+    truncated (the paper prints 4011.7 as 4011 and 513.5 as 513). Trailing
+    zeros are dropped (30, 7.5, 2).
+    """
+    d = Decimal(repr(gb))
+    if gb >= 100:
+        text = str(d.quantize(Decimal(1), rounding=ROUND_DOWN))
+    else:
+        text = str(d.quantize(Decimal("0.01") if gb < 10 else Decimal("0.1"), rounding=ROUND_HALF_UP))
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def table1_text(models=TABLE1_MODELS, dp=TABLE1_DP) -> str:
+    """Table 1 laid out as in the paper, computed by ``estimate`` and printed by ``format_paper_gb``."""
+    table = zero_table1(models, dp)
+    names = [f"{psi / 1e9:g}B" if psi < 1e12 else f"{psi / 1e12:g}T" for psi in models]
+    head = ["DP"] + [f"{m} {s}" for m in names for s in ("Pos", "Pos+g", "Pos+g+p")]
+    rows = [[str(n)] + [format_paper_gb(table[(psi, n, s)]) for psi in models for s in TABLE1_STAGES] for n in dp]
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head] + rows)
