@@ -38,6 +38,8 @@ from zerolab.runtime.measure import MemoryReport, storage_bytes
 from zerolab.engine.flat import FlatParams
 from zerolab.engine.buckets import GradientBuckets
 from zerolab.engine.state import consolidated_state_dict
+from zerolab.engine.checkpoint import save_16bit_model, save_checkpoint
+from zerolab.engine.checkpoint_load import load_checkpoint
 from zerolab.engine.optim import ShardedOptimizer, clip_coefficient, make_scheduler, sum_of_squares
 from zerolab.engine.precision import DynamicLossScaler, cast_floats, local_overflow, precision_of
 
@@ -252,9 +254,28 @@ class Engine(GradientBuckets):
     def parameters(self):
         return self.module.parameters()
 
-    def full_state_dict(self) -> dict:
-        """Collective: the model's state dict with consolidated fp32 parameters, on every rank."""
-        return consolidated_state_dict(self)
+    def param_shape(self, p) -> torch.Size:
+        """A trainable parameter's full shape (stage 3 overrides it: a released parameter is empty)."""
+        return p.shape
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict | None:
+        """Collective: the model's state dict with consolidated fp32 parameters, on every rank; with
+        ``rank0_only`` on rank 0 only (the others hold one unit at a time and get None)."""
+        return consolidated_state_dict(self, rank0_only)
+
+    # ---------------------------------------------------------------- checkpoints (chapter 8)
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False) -> str:
+        """Collective: save to ``save_dir/<tag>`` (default ``global_step{N}``), atomically (engine/checkpoint.py)."""
+        return save_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
+        """Collective: load ``load_dir/<tag>`` (default: ``latest``), at any world size and stage;
+        returns ``(path, client_state)``, ``(None, None)`` if there is no checkpoint (engine/checkpoint_load.py)."""
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+
+    def save_16bit_model(self, save_dir, filename="pytorch_model.bin", exclude_frozen_parameters=False):
+        """Collective: rank 0 writes the whole model in its compute dtype (gathered at stage 3)."""
+        return save_16bit_model(self, save_dir, filename, exclude_frozen_parameters)
 
     def close(self) -> None:
         """Remove the hooks (the model keeps its flat-buffer parameters)."""

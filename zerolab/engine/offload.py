@@ -233,11 +233,11 @@ class OffloadMixin:
         r.buffers += self.optimizer.staging_bytes()
         return r
 
-    def full_state_dict(self) -> dict:
+    def full_state_dict(self, rank0_only: bool = False) -> dict | None:
         saved = self.targets
         self.targets = self.optimizer.fp32_shards()
         try:
-            return super().full_state_dict()
+            return super().full_state_dict(rank0_only)
         finally:
             self.targets = saved
 

@@ -72,6 +72,15 @@ class DynamicLossScaler:
                 self.scale *= 2
         self.iteration += 1
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the scale and where the scaler is in its windows."""
+        return {"scale": self.scale, "iteration": self.iteration, "last_overflow": self.last_overflow,
+                "hysteresis_left": self._hysteresis_left}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.iteration = float(state["scale"]), int(state["iteration"])
+        self.last_overflow, self._hysteresis_left = int(state["last_overflow"]), int(state["hysteresis_left"])
+
     @classmethod
     def from_config(cls, fp16) -> "DynamicLossScaler":
         return cls(fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window,

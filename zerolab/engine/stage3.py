@@ -257,10 +257,9 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
             self.communicator.all_gather(self._full[i], self.flat.shard_view(self.param_shard, u),
                                          tag="persistent-params")
 
-    def full_state_dict(self) -> dict:
-        """Collective: consolidated fp32 parameters (the units are gathered for their shapes)."""
-        with self.gathered(self.flat.params()):
-            return super().full_state_dict()
+    def param_shape(self, p) -> torch.Size:
+        """The full shape of ``p`` (released, it is an empty tensor): its view into the unit buffer."""
+        return next(v.shape for q, v in self._views[self._unit_of[id(p)]] if q is p)
 
     # ---------------------------------------------------------------- inspection
     def memory(self):

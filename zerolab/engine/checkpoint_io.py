@@ -1,0 +1,182 @@
+"""The files of a zerolab checkpoint: names, the manifest, checked writes and reads (chapter 8).
+
+A checkpoint directory (``save_dir``) holds one folder per tag and a ``latest`` file::
+
+    save_dir/
+      latest                                        the newest complete tag (written last)
+      global_step6/
+        manifest.json                               written last, by rank 0: engine, layout, files
+        mp_rank_00_model_states.pt                  stages 0-2, rank 0: the 16-bit module state dict
+        zero_pp_rank_{r}_mp_rank_00_model_states.pt stage 3, every rank: its 16-bit parameter shard
+        zero_pp_rank_{r}_mp_rank_00_optim_states.pt every rank: its fp32 shard and optimizer moments
+
+Every ``.pt`` file is written through ``write_checked`` (sha256 and size taken
+while writing, then fsync) and read back only through ``read_checked``, which
+compares size and checksum with the manifest and loads with
+``torch.load(weights_only=True, mmap=True)``: a truncated, corrupted or
+missing file is a ``CheckpointError`` naming the file and what was expected;
+nothing is ever unpickled with ``weights_only=False``. ``mmap=True`` means a
+reader's resident memory holds only the pages it touches (resharding reads
+one unit at a time; ``reshard.py``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+
+FORMAT, VERSION = "zerolab-checkpoint", 1
+MANIFEST, LATEST = "manifest.json", "latest"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the file and the problem."""
+
+
+def optim_file(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def model_file(rank: int, stage: int) -> str:
+    """Stage 3 keeps a model-states file per rank (its parameter shard), as DeepSpeed does."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else MODEL_STATES
+
+
+class HashingWriter:
+    """A binary file that hashes (sha256) and counts what is written through it."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        mv = memoryview(data).cast("B")
+        n = self.f.write(mv)
+        n = len(mv) if n is None else n
+        self.sha.update(mv[:n])
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def open_for_write(path: str):
+    """The file a checkpoint part is written into (tests replace this to simulate a full disk)."""
+    return open(path, "wb")
+
+
+def write_checked(obj, path: str) -> dict:
+    """``torch.save(obj)`` into ``path``, fsync'd; returns ``{"bytes": n, "sha256": hex}``."""
+    with open_for_write(path) as f:
+        w = HashingWriter(f)
+        torch.save(obj, w)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": w.size, "sha256": w.sha.hexdigest()}
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: old or new, never half."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def sha256_of(path: str, block: int = 1 << 22) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def read_manifest(tag_dir: str) -> dict:
+    path = os.path.join(tag_dir, MANIFEST)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: missing; {tag_dir!r} is not a complete zerolab checkpoint (a save "
+                              f"that did not finish leaves no manifest)")
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot be read as JSON ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {m.get('format') if isinstance(m, dict) else None!r}, "
+                              f"expected {FORMAT!r}")
+    if m.get("version") != VERSION:
+        raise CheckpointError(f"{path}: version {m.get('version')!r}; this zerolab reads version {VERSION}")
+    return m
+
+
+def read_checked(tag_dir: str, name: str, manifest: dict, verify: bool = True) -> dict:
+    """Load one part of the checkpoint after checking it against the manifest."""
+    path = os.path.join(tag_dir, name)
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise CheckpointError(f"{path}: not listed in {MANIFEST} (files: {sorted(manifest['files'])})")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: missing (the manifest lists it, {entry['bytes']} bytes); the "
+                              f"checkpoint is incomplete")
+    size = os.path.getsize(path)
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{path}: {size} bytes, expected {entry['bytes']} (manifest): the file is "
+                              f"truncated or was replaced")
+    if verify:
+        found = sha256_of(path)
+        if found != entry["sha256"]:
+            raise CheckpointError(f"{path}: sha256 {found[:16]}..., expected {entry['sha256'][:16]}... "
+                                  f"(manifest): the file is corrupted")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure becomes one clear error
+        raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> str | None:
+    """The tag to load: ``tag``, or what ``latest`` names; None when the directory has no checkpoint."""
+    if tag is not None:
+        return str(tag)
+    latest = os.path.join(load_dir, LATEST)
+    if not os.path.exists(latest):
+        return None
+    with open(latest) as f:
+        text = f.read().strip()
+    if not text:
+        raise CheckpointError(f"{latest}: empty; it should name the newest complete tag")
+    return text
+
+
+def check_tag_dir(load_dir: str, tag: str) -> str:
+    tag_dir = os.path.join(load_dir, tag)
+    if not os.path.isdir(tag_dir):
+        partial = [d for d in os.listdir(load_dir) if d.startswith(f".{tag}.tmp")] if os.path.isdir(load_dir) else []
+        why = (f"; {partial[0]!r} is a save of that tag that did not finish (ignored)" if partial else "")
+        tags = sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d))
+                      and not d.startswith(".")) if os.path.isdir(load_dir) else []
+        raise CheckpointError(f"{tag_dir}: no checkpoint with tag {tag!r} (tags here: {tags}){why}")
+    return tag_dir
+
+
+def describe_manifest(manifest: dict) -> str:
+    e = manifest["engine"]
+    return (f"stage {e['stage']}, {e['world_size']} ranks, precision {e['precision']}, "
+            f"{manifest['layout']['numel']:,} trainable parameters, step {e['global_steps']}")
+
+
+def dumps(manifest: dict) -> str:
+    return json.dumps(manifest, indent=1) + "\n"

@@ -1,0 +1,108 @@
+"""``engine.load_checkpoint``: read a zerolab checkpoint into this engine, any world size or stage (chapter 8).
+
+Every rank reads the manifest, checks it against the model, and fills each of
+its units from the saved shards (``reshard.fill_owned``: one unit's state at a
+time, from memory-mapped files). The 16-bit parameters are the fp32 values
+cast, exactly what the step writes after each update, so a resume at the same
+world size and stage continues bit for bit. The ranks agree that every read
+succeeded before the one collective that follows (stages 1-2 all-gather the
+parameters; stage 3 its persistent unit).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from zerolab.engine.checkpoint import agree
+from zerolab.engine.checkpoint_io import CheckpointError, check_tag_dir, optim_file, read_manifest, resolve_tag
+from zerolab.engine.reshard import SavedCheckpoint, check_compatible, fill_owned
+from zerolab.engine.state import ShiftedSchedule, layout, owned_start, state_keys, write_owned
+
+
+def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
+    """Collective: load ``load_dir/<tag>`` (default: the tag in ``latest``); returns ``(tag path, client_state)``,
+    or ``(None, None)`` with a warning when ``load_dir`` holds no checkpoint."""
+    load_dir = os.fspath(load_dir)
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        warnings.warn(f"load_checkpoint: {load_dir!r} has no 'latest' file, so no checkpoint to load; the "
+                      f"engine keeps its current state (returning (None, None))", stacklevel=3)
+        return None, None
+    tag_dir = check_tag_dir(load_dir, tag)
+    manifest = read_manifest(tag_dir)
+    saved = SavedCheckpoint(tag_dir, manifest)
+    error, client_state = None, None
+    try:
+        check_compatible(saved, layout(engine))
+        client_state = _load_state(engine, saved, load_optimizer_states, load_lr_scheduler_states)
+    except (CheckpointError, OSError) as e:
+        error = e
+    finally:
+        saved.close()
+    agree(engine, error, "load_checkpoint")
+    engine.after_update()    # stages 1-2: all-gather the loaded parameters; stage 3: its persistent unit
+    param_file = getattr(engine, "param_file", None)
+    if param_file is not None:   # stage 3's parameter shard on NVMe: written, back to disk
+        param_file.release()
+    return tag_dir, client_state
+
+
+@torch.no_grad()
+def _load_state(engine, saved: SavedCheckpoint, with_optimizer: bool, with_schedule: bool) -> dict:
+    rec, keys = saved.engine, state_keys(engine)
+    opt = engine.optimizer
+    if with_optimizer:
+        saved_moments = [k for k in saved.manifest["state_keys"] if k != "fp32"]
+        if saved_moments != keys[1:]:
+            raise CheckpointError(f"{saved.dir}/manifest.json: optimizer {rec['optimizer']['type']!r} saved "
+                                  f"state {saved_moments}, this engine's optimizer {opt.kind!r} needs "
+                                  f"{keys[1:]}; load with load_optimizer_states=False to keep only the weights")
+    read = keys if with_optimizer else ["fp32"]
+    lay = layout(engine)
+    for i, u in enumerate(engine.flat.units):
+        n = engine.targets[i].numel()
+        values = fill_owned(saved, lay["units"][i], owned_start(engine, u), n, read)
+        for k in keys[1:]:
+            values.setdefault(k, torch.zeros(n, dtype=torch.float32))
+        write_owned(engine, i, values)
+        if engine.precision.has_master:   # the 16-bit parameters: the fp32 values cast, as after a step
+            engine.own(engine.flat.flat, u).copy_(values["fp32"])
+        del values
+    _load_module_extras(engine, saved)
+    engine.global_steps, engine.micro_steps = rec["global_steps"], rec["micro_steps"]
+    engine.skipped_steps = rec["skipped_steps"]
+    opt.step_count = rec["optimizer"]["step_count"] if with_optimizer else 0
+    if engine.scaler is not None and with_optimizer and rec["loss_scaler"] is not None:
+        engine.scaler.load_state_dict(rec["loss_scaler"])
+    if engine.scheduler is not None:
+        position = rec["scheduler"]["position"] if with_schedule and rec["scheduler"] else 0
+        shift = position - opt.step_count
+        engine.scheduler = ShiftedSchedule(engine.scheduler, shift) if shift else \
+            getattr(engine.scheduler, "schedule", engine.scheduler)
+    return dict(saved.model_states().get("client_state", {}))
+
+
+def _load_module_extras(engine, saved: SavedCheckpoint) -> None:
+    """Frozen parameters (rank 0's, unless the save excluded them) and buffers (this rank's own at
+    the same world size, where they may differ between ranks, else rank 0's)."""
+    lay = saved.layout
+    module = saved.model_states().get("module", {})
+    same = saved.world_size == engine.world_size
+    buffers = saved.file(optim_file(engine.rank if same else 0)).get("buffers", {})
+    state = engine.module.state_dict(keep_vars=True)
+    for name in lay["frozen"]:
+        if name in module and name in state:
+            _copy(state[name], module[name], saved, name)
+    for name, b in engine.module.named_buffers():
+        if name in buffers:
+            _copy(b, buffers[name], saved, name)
+
+
+def _copy(dst, src, saved, name) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise CheckpointError(f"{saved.dir}: {name!r} has shape {list(src.shape)} in the checkpoint, expected "
+                              f"{list(dst.shape)} (the model's)")
+    dst.data.copy_(src)
+

@@ -1,0 +1,134 @@
+"""Resharding: a checkpoint saved by N ranks read into any other layout, one unit at a time (chapter 8).
+
+A saved rank r holds, for every unit U, the slice ``[r*S_U, (r+1)*S_U)`` of
+the unit's padded flat buffer (S_U = padded_U / N), for each state key
+("fp32", "exp_avg", ...). Reading parameter p's elements ``[lo, hi)`` is
+arithmetic on those slices: p starts at ``q = offset of p in U``, so element
+e = q + x of U lies in saved rank ``e // S_U`` at position ``e % S_U``. A new
+rank at M ranks (another stage, another unit layout: stage 3's persistent
+unit) asks, unit by unit, for the elements it owns; ``SavedCheckpoint``
+opens each saved file once, memory-mapped, so only the pages of the slices
+it copies are read, and no rank ever materialises the whole optimizer state.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerolab.engine.checkpoint_io import CheckpointError, MANIFEST, model_file, optim_file, read_checked
+
+
+class SavedCheckpoint:
+    """One tag of a zerolab checkpoint, read lazily: files are opened (checked, mmap'd) on first use."""
+
+    def __init__(self, tag_dir: str, manifest: dict, verify: bool = True):
+        self.dir, self.manifest, self.verify = tag_dir, manifest, verify
+        self.layout, self.engine = manifest["layout"], manifest["engine"]
+        self.world_size = self.engine["world_size"]
+        self._files: dict = {}
+        self.index = {}   # param name -> (saved unit index, offset in the unit, numel, shape)
+        for ui, u in enumerate(self.layout["units"]):
+            for name, shape, off in u["params"]:
+                self.index[name] = (ui, off, math.prod(shape), tuple(shape))
+
+    def file(self, name: str) -> dict:
+        if name not in self._files:
+            self._files[name] = read_checked(self.dir, name, self.manifest, self.verify)
+        return self._files[name]
+
+    def rank_state(self, r: int, key: str) -> torch.Tensor:
+        name = optim_file(r)
+        data = self.file(name)
+        try:
+            return data["state"][key]
+        except (KeyError, TypeError):
+            raise CheckpointError(f"{self.dir}/{name}: no state {key!r} (found "
+                                  f"{sorted(data.get('state', {})) if isinstance(data, dict) else type(data)})") \
+                from None
+
+    def model_states(self) -> dict:
+        return self.file(model_file(0, self.engine["stage"]))
+
+    def close(self) -> None:
+        self._files.clear()
+
+    # ---------------------------------------------------------------- element arithmetic
+    def copy_range(self, key: str, unit: int, start: int, end: int, out: torch.Tensor) -> None:
+        """Elements ``[start, end)`` of saved unit ``unit``'s buffer ``key`` into ``out`` (end - start,)."""
+        u = self.layout["units"][unit]
+        s = u["shard"]
+        e = start
+        while e < end:
+            r = e // s
+            stop = min(end, (r + 1) * s)
+            src = self.rank_state(r, key)
+            a = u["shard_offset"] + e - r * s
+            out[e - start: stop - start].copy_(src[a: a + stop - e])
+            e = stop
+
+    def param(self, name: str, key: str = "fp32", lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Parameter ``name``'s saved elements ``[lo, hi)`` of ``key``, flat fp32 (a fresh tensor)."""
+        unit, off, numel, _ = self.index[name]
+        hi = numel if hi is None else hi
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        self.copy_range(key, unit, off + lo, off + hi, out)
+        return out
+
+
+def check_compatible(saved: SavedCheckpoint, model_layout: dict) -> None:
+    """The model must have the checkpoint's trainable parameters with the same shapes."""
+    path = f"{saved.dir}/{MANIFEST}"
+    mine = {name: tuple(shape) for u in model_layout["units"] for name, shape, _ in u["params"]}
+    missing = sorted(set(mine) - set(saved.index))
+    if missing:
+        raise CheckpointError(f"{path}: parameter {missing[0]!r} of the model is not in the checkpoint "
+                              f"({len(missing)} missing; the checkpoint has {len(saved.index)} parameters): "
+                              f"saved from another model?")
+    extra = sorted(set(saved.index) - set(mine))
+    if extra:
+        raise CheckpointError(f"{path}: parameter {extra[0]!r} in the checkpoint is not a trainable parameter "
+                              f"of the model ({len(extra)} such): saved from another model?")
+    for name, shape in mine.items():
+        if saved.index[name][3] != shape:
+            raise CheckpointError(f"{path}: parameter {name!r} has shape {list(saved.index[name][3])} in the "
+                                  f"checkpoint, expected {list(shape)} (the model's)")
+
+
+def fill_owned(saved: SavedCheckpoint, unit: dict, start: int, length: int, keys) -> dict:
+    """This rank's owned part ``[start, start + length)`` of a *new* unit (layout dict), for each
+    state key, from the saved shards; padding stays zero. One unit's state, transient."""
+    out = {k: torch.zeros(length, dtype=torch.float32) for k in keys}
+    end = start + length
+    for name, shape, off in unit["params"]:
+        a, b = max(start, off), min(end, off + math.prod(shape))
+        if a >= b:
+            continue
+        su, soff, _, _ = saved.index[name]
+        for k in keys:
+            saved.copy_range(k, su, soff + a - off, soff + b - off, out[k][a - start: b - start])
+    return out
+
+
+def consolidate(saved: SavedCheckpoint) -> dict:
+    """The model's fp32 state dict from the saved shards: parameters in the saved key order
+    (tied names share one tensor), then frozen parameters and buffers from rank 0's model states."""
+    lay = saved.layout
+    params = {name: saved.param(name).view(saved.index[name][3]) for name in saved.index}
+    rest = {}
+    names = set(lay["frozen"]) | set(lay["buffers"])
+    if names:
+        module = saved.model_states().get("module", {})
+        buffers = saved.file(optim_file(0)).get("buffers", {})
+        for k in names:
+            t = module.get(k, buffers.get(k))
+            if t is not None:
+                rest[k] = t.float().clone() if t.is_floating_point() else t.clone()
+    out = {}
+    for k in lay["keys"]:
+        canon = lay["aliases"].get(k, k)
+        if canon in params:
+            out[k] = params[canon]
+        elif k in rest:
+            out[k] = rest[k]
+    return out
