@@ -23,7 +23,8 @@ from zerolab.engine.state import ShiftedSchedule, layout, owned_start, state_key
 
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
     """Collective: load ``load_dir/<tag>`` (default: the tag in ``latest``); returns ``(tag path, client_state)``,
-    or ``(None, None)`` with a warning when ``load_dir`` holds no checkpoint."""
+    or ``(None, None)`` with a warning when ``load_dir`` holds no checkpoint. ``engine.checkpoint_stats``
+    then says how many bytes this rank copied out of the files and how many it had mapped."""
     load_dir = os.fspath(load_dir)
     tag = resolve_tag(load_dir, tag)
     if tag is None:
@@ -40,6 +41,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True, load
     except (CheckpointError, OSError) as e:
         error = e
     finally:
+        engine.checkpoint_stats = {"load_bytes_read": saved.bytes_read, "load_bytes_mapped": saved.mapped_bytes}
         saved.close()
     agree(engine, error, "load_checkpoint")
     engine.after_update()    # stages 1-2: all-gather the loaded parameters; stage 3: its persistent unit

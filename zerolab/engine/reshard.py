@@ -27,6 +27,8 @@ class SavedCheckpoint:
         self.layout, self.engine = manifest["layout"], manifest["engine"]
         self.world_size = self.engine["world_size"]
         self._files: dict = {}
+        self.mapped_bytes = 0   # storages of the opened files (memory-mapped: pages are read when touched)
+        self.bytes_read = 0     # bytes copied out of them
         self.index = {}   # param name -> (saved unit index, offset in the unit, numel, shape)
         for ui, u in enumerate(self.layout["units"]):
             for name, shape, off in u["params"]:
@@ -35,6 +37,7 @@ class SavedCheckpoint:
     def file(self, name: str) -> dict:
         if name not in self._files:
             self._files[name] = read_checked(self.dir, name, self.manifest, self.verify)
+            self.mapped_bytes += _storage_bytes(self._files[name])
         return self._files[name]
 
     def rank_state(self, r: int, key: str) -> torch.Tensor:
@@ -65,6 +68,7 @@ class SavedCheckpoint:
             src = self.rank_state(r, key)
             a = u["shard_offset"] + e - r * s
             out[e - start: stop - start].copy_(src[a: a + stop - e])
+            self.bytes_read += (stop - e) * src.element_size()
             e = stop
 
     def param(self, name: str, key: str = "fp32", lo: int = 0, hi: int | None = None) -> torch.Tensor:
@@ -74,6 +78,21 @@ class SavedCheckpoint:
         out = torch.empty(hi - lo, dtype=torch.float32)
         self.copy_range(key, unit, off + lo, off + hi, out)
         return out
+
+
+def _storage_bytes(obj, seen=None) -> int:
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        s = obj.untyped_storage()
+        if s.data_ptr() in seen:
+            return 0
+        seen.add(s.data_ptr())
+        return s.nbytes()
+    if isinstance(obj, dict):
+        return sum(_storage_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_storage_bytes(v, seen) for v in obj)
+    return 0
 
 
 def check_compatible(saved: SavedCheckpoint, model_layout: dict) -> None:
