@@ -1,0 +1,224 @@
+"""Checkpoints appear whole or not at all, and bad ones are named, never unpickled blindly (issue 11, item 4).
+
+* A rank SIGKILLed as the save begins, or halfway through writing its file:
+  ``latest`` still names the previous tag, that tag loads, the half-written
+  folder is never taken for a checkpoint (loading its tag says so).
+* A full disk: the rank's file is opened on ``/dev/full``, so its writes fail
+  with the kernel's own ENOSPC; every rank raises the same clear error, the
+  partial folder is removed and the previous checkpoint is intact.
+* Corrupted, truncated, missing files, a manifest of another model, a file
+  that would need unpickling code: a ``CheckpointError`` naming the file and
+  the expected vs found value, on every rank, with no hang.
+* Saving inside an accumulation window, a client_state that would not load
+  back, and loading a folder without a checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+import zerolab as zl
+from zerolab.book.models import MLP, TinyGPT, loss_fn, synthetic_batch
+from zerolab.engine.checkpoint_io import CheckpointError, optim_file
+from zerolab.runtime.launch import LaunchError
+
+CFG = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "bf16": {"enabled": True},
+       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
+
+
+def build(seed=1, cfg=CFG):
+    model = TinyGPT.preset("micro", seed=seed)
+    return model, zl.initialize(model, cfg)
+
+
+def step(engine, model, i):
+    x, y = synthetic_batch(model, 2 * engine.world_size, step=i, rank=engine.rank, world_size=engine.world_size)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+
+
+def save_then_die(root, when):
+    """Save tag a, then die on rank 1 while saving tag b (at the start, or mid-write)."""
+    import zerolab.engine.checkpoint as ck
+    import zerolab.engine.checkpoint_io as io
+    model, engine = build()
+    step(engine, model, 0)
+    engine.save_checkpoint(root, tag="a")
+    step(engine, model, 1)
+    if engine.rank == 1 and when == "begin":
+        ck.write_checked = lambda obj, path: os.kill(os.getpid(), signal.SIGKILL)
+    if engine.rank == 1 and when == "mid-write":
+        real_open = io.open_for_write
+
+        class Dying:   # the real file; the process dies once half of it is written
+            def __init__(self, path):
+                self.f = real_open(path)
+                self.n = 0
+
+            def write(self, data):
+                self.n += len(memoryview(data).cast("B"))
+                if self.n > 20_000:
+                    self.f.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return self.f.write(data)
+
+            def __getattr__(self, k):
+                return getattr(self.f, k)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                self.f.close()
+        io.open_for_write = Dying
+    engine.save_checkpoint(root, tag="b")
+
+
+def load_latest(root, tag=None):
+    model, engine = build(seed=7)
+    try:
+        path, client = engine.load_checkpoint(root, tag=tag)
+    except CheckpointError as e:
+        return ("error", str(e))
+    return (os.path.basename(path), engine.global_steps)
+
+
+@pytest.mark.parametrize("when", ["begin", "mid-write"])
+def test_rank_killed_during_save_leaves_previous_checkpoint(tmp_path, when):
+    root = str(tmp_path)
+    with pytest.raises(LaunchError):   # rank 1 died (or rank 0 saw its connection drop first)
+        zl.launch(save_then_die, world_size=2, args=(root, when), timeout=120, threads=1)
+    assert open(os.path.join(root, "latest")).read().strip() == "a"
+    assert not os.path.exists(os.path.join(root, "b"))
+    if when == "mid-write":   # the half-written file is there, in the folder nobody reads
+        assert os.path.getsize(os.path.join(root, ".b.tmp", optim_file(1))) > 0
+    assert zl.launch(load_latest, world_size=2, args=(root,), threads=1) == [("a", 1)] * 2
+    errors = zl.launch(load_latest, world_size=2, args=(root, "b"), threads=1)
+    for kind, msg in errors:
+        assert kind == "error" and "did not finish" in msg and "'b'" in msg, msg
+
+
+def disk_full(root):
+    import zerolab.engine.checkpoint_io as io
+    model, engine = build()
+    step(engine, model, 0)
+    engine.save_checkpoint(root, tag="a")
+    step(engine, model, 1)
+    if engine.rank == 1:
+        io.open_for_write = lambda path: open("/dev/full", "wb")
+    try:
+        engine.save_checkpoint(root, tag="b")
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_disk_full_raises_on_every_rank_and_keeps_previous(tmp_path):
+    root = str(tmp_path)
+    msgs = zl.launch(disk_full, world_size=2, args=(root,), timeout=120, threads=1)
+    for m in msgs:
+        assert "rank 1" in m and "disk is full" in m and "'latest' still names 'a'" in m, m
+    assert sorted(os.listdir(root)) == ["a", "latest"]
+    assert zl.launch(load_latest, world_size=2, args=(root,), threads=1) == [("a", 1)] * 2
+
+
+def save_two_ranks(root):
+    model, engine = build()
+    step(engine, model, 0)
+    engine.save_checkpoint(root, tag="a")
+
+
+def spoil(root, how):
+    tag = os.path.join(root, "a")
+    f = os.path.join(tag, optim_file(1))
+    if how == "corrupt":
+        with open(f, "r+b") as fh:
+            fh.seek(os.path.getsize(f) // 2)
+            b = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    elif how == "truncated":
+        os.truncate(f, os.path.getsize(f) - 100)
+    elif how == "missing":
+        os.remove(f)
+    elif how == "code":   # a well-formed file whose unpickling would import a class: refused
+        torch.save({"state": {"fp32": torch.zeros(3)}, "evil": MLP()}, f)
+        m = json.load(open(os.path.join(tag, "manifest.json")))
+        from zerolab.engine.checkpoint_io import sha256_of
+        m["files"][optim_file(1)].update(bytes=os.path.getsize(f), sha256=sha256_of(f))
+        json.dump(m, open(os.path.join(tag, "manifest.json"), "w"))
+    return f
+
+
+@pytest.mark.parametrize("how,expect", [("corrupt", "sha256"), ("truncated", "bytes, expected"),
+                                        ("missing", "missing"), ("code", "cannot be loaded")])
+def test_bad_rank_file_is_named_on_every_rank(tmp_path, how, expect):
+    root = str(tmp_path)
+    zl.launch(save_two_ranks, world_size=2, args=(root,), threads=1)
+    f = spoil(root, how)
+    for kind, msg in zl.launch(load_latest, world_size=2, args=(root,), timeout=120, threads=1):
+        assert kind == "error" and os.path.basename(f) in msg and expect in msg, msg
+        assert "Traceback" not in msg
+
+
+def test_checkpoint_of_another_model_is_named(tmp_path):
+    model, engine = build()
+    step(engine, model, 0)
+    engine.save_checkpoint(tmp_path)
+    other = TinyGPT.preset("micro", d_model=48, seed=1)
+    e2 = zl.initialize(other, CFG)
+    with pytest.raises(CheckpointError, match=r"manifest.json: parameter '.*' has shape \[.*32\] in the "
+                                              r"checkpoint, expected \[.*48\] \(the model's\)"):
+        e2.load_checkpoint(tmp_path)
+    mlp = zl.initialize(MLP(), CFG)
+    with pytest.raises(CheckpointError, match="not in the checkpoint .* another model"):
+        mlp.load_checkpoint(tmp_path)
+    sgd = zl.initialize(TinyGPT.preset("micro", seed=3), {**CFG, "optimizer": {"type": "SGD", "params": {
+        "lr": 0.1, "momentum": 0.9}}})
+    with pytest.raises(CheckpointError, match="exp_avg.*momentum_buffer.*load_optimizer_states=False"):
+        sgd.load_checkpoint(tmp_path)
+    path, _ = sgd.load_checkpoint(tmp_path, load_optimizer_states=False)   # weights only: fine
+    assert torch.equal(sgd.full_state_dict()["wte.weight"], engine.full_state_dict()["wte.weight"])
+
+
+def test_manifest_garbage_is_named(tmp_path):
+    model, engine = build()
+    engine.save_checkpoint(tmp_path, tag="t")
+    (tmp_path / "t" / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="manifest.json: cannot be read as JSON"):
+        build(seed=3)[1].load_checkpoint(tmp_path)
+
+
+def test_save_inside_accumulation_window_is_refused(tmp_path):
+    model = TinyGPT.preset("micro", seed=1)
+    engine = zl.initialize(model, {**CFG, "gradient_accumulation_steps": 2})
+    x, y = synthetic_batch(model, 2)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    with pytest.raises(RuntimeError, match="inside an accumulation window of 2 micro-batches"):
+        engine.save_checkpoint(tmp_path)
+    assert not os.listdir(tmp_path)
+
+
+def test_empty_dir_returns_none_with_warning(tmp_path):
+    _, engine = build()
+    with pytest.warns(UserWarning, match="no 'latest' file"):
+        assert engine.load_checkpoint(tmp_path) == (None, None)
+
+
+def test_client_state_round_trip_and_refusal(tmp_path):
+    model, engine = build()
+    step(engine, model, 0)
+    with pytest.raises(ValueError, match=r"client_state\['sampler'\]: a object cannot be read back"):
+        engine.save_checkpoint(tmp_path, client_state={"sampler": object()})
+    rng = torch.get_rng_state()
+    path = engine.save_checkpoint(tmp_path, client_state={"epoch": 3, "rng": rng})
+    assert path.endswith("global_step1") and open(tmp_path / "latest").read().strip() == "global_step1"
+    _, e2 = build(seed=4)
+    got_path, client = e2.load_checkpoint(tmp_path)
+    assert got_path == path and client["epoch"] == 3 and torch.equal(client["rng"], rng)
