@@ -191,6 +191,8 @@ COMMANDS = {
     "gpu-check": ("on a machine with CUDA GPUs: the nccl path end to end", add_gpu_check_args, cmd_gpu_check),
     "grade": ("grade exercise notebooks under nbval, check by check", *_lazy("grading.grader", "grade")),
     "exercises": ("list the exercises, copy them to a folder, or reset one", *_lazy("grading.grader", "exercises")),
+    "consolidate": ("a sharded checkpoint (zerolab's or DeepSpeed's) -> one fp32 state dict file",
+                    *_lazy("engine.consolidate", "consolidate")),
     "bench": ("time zerolab against torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed", *_lazy("bench.runner", "bench")),
 }
 

@@ -53,6 +53,10 @@ class SavedCheckpoint:
     def model_states(self) -> dict:
         return self.file(model_file(0, self.engine["stage"]))
 
+    def close_file(self, name: str) -> None:
+        """Forget one file (its mapping goes when the last tensor viewing it does)."""
+        self._files.pop(name, None)
+
     def close(self) -> None:
         self._files.clear()
 
@@ -130,10 +134,23 @@ def fill_owned(saved: SavedCheckpoint, unit: dict, start: int, length: int, keys
 
 
 def consolidate(saved: SavedCheckpoint) -> dict:
-    """The model's fp32 state dict from the saved shards: parameters in the saved key order
-    (tied names share one tensor), then frozen parameters and buffers from rank 0's model states."""
+    """The model's fp32 state dict from the saved shards, one saved rank at a time (each file is
+    mapped, copied from, and closed before the next: resident memory stays near the output plus
+    one shard). Keys in the saved order; tied names share one tensor; frozen parameters and
+    buffers come from rank 0's files."""
     lay = saved.layout
-    params = {name: saved.param(name).view(saved.index[name][3]) for name in saved.index}
+    params = {name: torch.empty(saved.index[name][2], dtype=torch.float32) for name in saved.index}
+    for r in range(saved.world_size):
+        src = saved.rank_state(r, "fp32")
+        for name, (ui, off, numel, _) in saved.index.items():
+            u = lay["units"][ui]
+            lo, hi = max(off, r * u["shard"]), min(off + numel, (r + 1) * u["shard"])
+            if lo < hi:
+                a = u["shard_offset"] + lo - r * u["shard"]
+                params[name][lo - off: hi - off].copy_(src[a: a + hi - lo])
+                saved.bytes_read += (hi - lo) * 4
+        del src
+        saved.close_file(optim_file(r))
     rest = {}
     names = set(lay["frozen"]) | set(lay["buffers"])
     if names:
@@ -143,6 +160,7 @@ def consolidate(saved: SavedCheckpoint) -> dict:
             t = module.get(k, buffers.get(k))
             if t is not None:
                 rest[k] = t.float().clone() if t.is_floating_point() else t.clone()
+    params = {name: t.view(saved.index[name][3]) for name, t in params.items()}
     out = {}
     for k in lay["keys"]:
         canon = lay["aliases"].get(k, k)
