@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import torch
 
@@ -126,6 +127,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_froze
     """Collective: write the engine's state to ``save_dir/<tag>`` (default ``global_step{N}``); returns the path."""
     _check_boundary(engine)
     _check_plain(client_state or {})
+    t0 = time.perf_counter()
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
         raise ValueError(f"checkpoint tag {tag!r}: use a plain folder name (no '/', not starting with '.', "
@@ -180,6 +182,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_froze
             error = CheckpointError(f"save_checkpoint: rank 0 could not finish {final} ({e.strerror}); "
                                     f"{_previous(save_dir)}")
     agree(engine, error, "save_checkpoint")
+    engine.checkpoint_stats = {"save_seconds": time.perf_counter() - t0,
+                               "save_bytes": sum(f["bytes"] for f in files.values())}
     return final
 
 

@@ -11,6 +11,7 @@ parameters; stage 3 its persistent unit).
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import torch
@@ -34,7 +35,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True, load
     tag_dir = check_tag_dir(load_dir, tag)
     manifest = read_manifest(tag_dir)
     saved = SavedCheckpoint(tag_dir, manifest)
-    error, client_state = None, None
+    error, client_state, t0 = None, None, time.perf_counter()
     try:
         check_compatible(saved, layout(engine))
         client_state = _load_state(engine, saved, load_optimizer_states, load_lr_scheduler_states)
@@ -48,6 +49,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True, load
     param_file = getattr(engine, "param_file", None)
     if param_file is not None:   # stage 3's parameter shard on NVMe: written, back to disk
         param_file.release()
+    engine.checkpoint_stats["load_seconds"] = time.perf_counter() - t0
     return tag_dir, client_state
 
 
