@@ -97,11 +97,13 @@ def write_text_atomic(path: str, text: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def sha256_of(path: str, block: int = 1 << 22) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            sha.update(chunk)
+def sha256_of(path: str, block: int = 1 << 20) -> str:
+    """The file's sha256, read through one reused 1 MiB buffer."""
+    sha, buf = hashlib.sha256(), bytearray(block)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            sha.update(view[:n])
     return sha.hexdigest()
 
 

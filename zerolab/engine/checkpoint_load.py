@@ -65,15 +65,17 @@ def _load_state(engine, saved: SavedCheckpoint, with_optimizer: bool, with_sched
                                   f"{keys[1:]}; load with load_optimizer_states=False to keep only the weights")
     read = keys if with_optimizer else ["fp32"]
     lay = layout(engine)
+    # the loader's one temporary: a unit's state (fp32, keys x the rank's largest owned unit), reused
+    scratch = torch.empty(len(keys), max(t.numel() for t in engine.targets), dtype=torch.float32)
     for i, u in enumerate(engine.flat.units):
         n = engine.targets[i].numel()
-        values = fill_owned(saved, lay["units"][i], owned_start(engine, u), n, read)
-        for k in keys[1:]:
-            values.setdefault(k, torch.zeros(n, dtype=torch.float32))
+        values = fill_owned(saved, lay["units"][i], owned_start(engine, u), n, read, scratch)
+        for k, row in zip(keys, scratch):
+            values.setdefault(k, row[:n].zero_())   # moments not loaded: zero, as a fresh optimizer's
         write_owned(engine, i, values)
         if engine.precision.has_master:   # the 16-bit parameters: the fp32 values cast, as after a step
             engine.own(engine.flat.flat, u).copy_(values["fp32"])
-        del values
+    del scratch, values
     _load_module_extras(engine, saved)
     engine.global_steps, engine.micro_steps = rec["global_steps"], rec["micro_steps"]
     engine.skipped_steps = rec["skipped_steps"]

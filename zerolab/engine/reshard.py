@@ -118,10 +118,13 @@ def check_compatible(saved: SavedCheckpoint, model_layout: dict) -> None:
                                   f"checkpoint, expected {list(shape)} (the model's)")
 
 
-def fill_owned(saved: SavedCheckpoint, unit: dict, start: int, length: int, keys) -> dict:
+def fill_owned(saved: SavedCheckpoint, unit: dict, start: int, length: int, keys, scratch=None) -> dict:
     """This rank's owned part ``[start, start + length)`` of a *new* unit (layout dict), for each
-    state key, from the saved shards; padding stays zero. One unit's state, transient."""
-    out = {k: torch.zeros(length, dtype=torch.float32) for k in keys}
+    state key, from the saved shards; padding stays zero. ``scratch``: a (len(keys), >= length) fp32
+    buffer to fill (the loader reuses one, sized for its largest unit, for every unit)."""
+    if scratch is None:
+        scratch = torch.empty(len(keys), length, dtype=torch.float32)
+    out = {k: row[:length].zero_() for k, row in zip(keys, scratch)}
     end = start + length
     for name, shape, off in unit["params"]:
         a, b = max(start, off), min(end, off + math.prod(shape))
