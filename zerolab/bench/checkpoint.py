@@ -27,7 +27,8 @@ import time
 
 import torch.distributed as dist
 
-import zerolab as zl
+from zerolab.engine import initialize
+from zerolab.runtime.launch import launch
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
 from zerolab.runtime.measure import status_kb, trim_heap
 
@@ -67,7 +68,7 @@ def config(stage):
 
 def _engine(model_name, stage, seed=1):
     model = TinyGPT.preset(model_name, seed=seed)
-    return model, zl.initialize(model, config(stage))
+    return model, initialize(model, config(stage))
 
 
 def save_load_worker(model_name, root):
@@ -133,13 +134,13 @@ def run(model_name="small", ranks=(2, 4), root=None) -> dict:
     try:
         results = {"save_load": {}, "model": model_name}
         for n in ranks:
-            per_rank = zl.launch(save_load_worker, world_size=n, args=(model_name, f"{root}/n{n}"), timeout=1200,
+            per_rank = launch(save_load_worker, world_size=n, args=(model_name, f"{root}/n{n}"), timeout=1200,
                                  threads=1)
             results["save_load"][n] = per_rank
         n = max(ranks)
         m = max(1, n // 2)
         results["reshard"] = {"from": (n, 1), "to": (m, 3),
-                              "ranks": zl.launch(reshard_worker, world_size=m, args=(model_name, f"{root}/n{n}", 1),
+                              "ranks": launch(reshard_worker, world_size=m, args=(model_name, f"{root}/n{n}", 1),
                                                  timeout=600, threads=1)}
         tag = os.path.join(root, f"n{n}", "stage3")
         tag = os.path.join(tag, open(os.path.join(tag, "latest")).read().strip())

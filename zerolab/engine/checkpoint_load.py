@@ -71,7 +71,8 @@ def _load_state(engine, saved: SavedCheckpoint, with_optimizer: bool, with_sched
         n = engine.targets[i].numel()
         values = fill_owned(saved, lay["units"][i], owned_start(engine, u), n, read, scratch)
         for k, row in zip(keys, scratch):
-            values.setdefault(k, row[:n].zero_())   # moments not loaded: zero, as a fresh optimizer's
+            if k not in values:   # moments not loaded: zero, as a fresh optimizer's
+                values[k] = row[:n].zero_()
         write_owned(engine, i, values)
         if engine.precision.has_master:   # the 16-bit parameters: the fp32 values cast, as after a step
             engine.own(engine.flat.flat, u).copy_(values["fp32"])
