@@ -154,8 +154,8 @@ def run(model_name="small", ranks=(2, 4), root=None) -> dict:
 def report(results: dict) -> str:
     MB = 1e6
     lines = [f"TinyGPT {results['model']}, bf16 + Adam (measured; wall-clock seconds, noisy)", "",
-             f"{'N':>2} {'stage':>5} {'model states/rank':>18} {'written/rank':>13} {'save s':>7} {'load s':>7} "
-             f"{'read/rank':>10}"]
+             f"{'N':>2} {'stage':>5} {'model states/rank':>18} {'written (max)':>13} {'save s':>7} {'load s':>7} "
+             f"{'read (max)':>10}"]
     for n, per_rank in results["save_load"].items():
         for stage in range(4):
             rows = [r[stage] for r in per_rank]
