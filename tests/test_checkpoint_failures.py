@@ -222,3 +222,35 @@ def test_client_state_round_trip_and_refusal(tmp_path):
     _, e2 = build(seed=4)
     got_path, client = e2.load_checkpoint(tmp_path)
     assert got_path == path and client["epoch"] == 3 and torch.equal(client["rng"], rng)
+
+
+def test_checksum_is_what_catches_a_flipped_byte(tmp_path):
+    """Planted: without the sha256 check, a flipped byte in tensor data loads silently."""
+    from zerolab.engine.checkpoint_io import read_checked, read_manifest
+    model, engine = build()
+    step(engine, model, 0)
+    engine.save_checkpoint(tmp_path, tag="a")
+    tag = str(tmp_path / "a")
+    good = read_checked(tag, optim_file(0), read_manifest(tag))["state"]["fp32"].clone()
+    f = os.path.join(tag, optim_file(0))
+    data = bytearray(open(f, "rb").read())
+    at = data.find(good[:4].numpy().tobytes())   # inside the fp32 tensor's bytes
+    data[at] ^= 0x40
+    open(f, "wb").write(bytes(data))
+    silent = read_checked(tag, optim_file(0), read_manifest(tag), verify=False)["state"]["fp32"]
+    assert not torch.equal(silent, good)           # the file still unpickles: only the checksum sees it
+    with pytest.raises(CheckpointError, match="sha256"):
+        read_checked(tag, optim_file(0), read_manifest(tag))
+
+
+def test_saving_a_tag_again_replaces_it_whole(tmp_path):
+    model, engine = build()
+    step(engine, model, 0)
+    engine.save_checkpoint(tmp_path, tag="t")
+    step(engine, model, 1)
+    engine.save_checkpoint(tmp_path, tag="t")
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t"]
+    _, e2 = build(seed=5)
+    e2.load_checkpoint(tmp_path)
+    assert e2.global_steps == 2
+    assert torch.equal(e2.full_state_dict()["wte.weight"], engine.full_state_dict()["wte.weight"])

@@ -149,6 +149,14 @@ def test_resume_planted_bug_is_caught(tmp_path):
         check(cases, full, bad)
 
 
+def test_resume_is_bit_identical_on_three_ranks(tmp_path):
+    """N = 3 divides neither Ψ nor the units: the padded last shard is saved and restored too."""
+    cases = [(0, "bf16", "none", "WarmupLR"), (1, "fp16", "cpu", "WarmupDecayLR"),
+             (2, "fp32", "nvme", "WarmupLR"), (3, "bf16", "none", "WarmupDecayLR")]
+    full, resumed = run_matrix(cases, tmp_path, n=3)
+    check(cases, full, resumed)
+
+
 @pytest.mark.slow
 def test_resume_is_bit_identical_full_matrix(tmp_path):
     full, resumed = run_matrix(FULL, tmp_path)

@@ -80,8 +80,9 @@ def save_load_worker(model_name, root):
                                world_size=engine.world_size)
         engine.backward(loss_fn(engine(x), y))
         engine.step()
-        engine.save_checkpoint(f"{root}/stage{stage}")
-        save = dict(engine.checkpoint_stats)
+        with AnonPeak() as meter:
+            engine.save_checkpoint(f"{root}/stage{stage}")
+        save = {**engine.checkpoint_stats, "save_anon_peak": meter.peak}
         states = engine.memory()
         engine.close()
         _, fresh = _engine(model_name, stage, seed=2)
@@ -155,13 +156,14 @@ def report(results: dict) -> str:
     MB = 1e6
     lines = [f"TinyGPT {results['model']}, bf16 + Adam (measured; wall-clock seconds, noisy)", "",
              f"{'N':>2} {'stage':>5} {'model states/rank':>18} {'written (max)':>13} {'save s':>7} {'load s':>7} "
-             f"{'read (max)':>10}"]
+             f"{'read (max)':>10} {'save: +anon (max)':>17}"]
     for n, per_rank in results["save_load"].items():
         for stage in range(4):
             rows = [r[stage] for r in per_rank]
             mx = lambda k: max(r[k] for r in rows)  # noqa: E731
             lines.append(f"{n:>2} {stage:>5} {mx('model_states') / MB:>15.1f} MB {mx('save_bytes') / MB:>10.1f} MB "
-                         f"{mx('save_seconds'):>7.2f} {mx('load_seconds'):>7.2f} {mx('load_bytes_read') / MB:>7.1f} MB")
+                         f"{mx('save_seconds'):>7.2f} {mx('load_seconds'):>7.2f} {mx('load_bytes_read') / MB:>7.1f} MB "
+                         f"{mx('save_anon_peak') / MB:>14.1f} MB")
     psi = results["save_load"][next(iter(results["save_load"]))][0][0]["psi"]
     rs = results["reshard"]
     lines += ["", f"reshard: saved at {rs['from'][0]} ranks stage {rs['from'][1]}, loaded at {rs['to'][0]} ranks "

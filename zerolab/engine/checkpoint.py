@@ -103,7 +103,18 @@ def _flat_slices(engine) -> dict:
         owned, off = read_owned(engine, i), engine.rank * u.shard - owned_start(engine, u)
         for k in keys:
             parts.setdefault(k, []).append(owned[k][off: off + u.shard])
-    return {k: torch.cat(v).float().cpu() for k, v in parts.items()}
+    return {k: _joined(v).float().cpu() for k, v in parts.items()}
+
+
+def _joined(pieces: list) -> torch.Tensor:
+    """The pieces as one tensor: their own buffer when they tile it exactly (a device optimizer's
+    shard-space state at stages 1-3: saved without a copy), else a concatenated copy."""
+    first, n = pieces[0], sum(p.numel() for p in pieces)
+    es = first.element_size()
+    tiles = (first.storage_offset() == 0 and first.untyped_storage().nbytes() == n * es
+             and all(p.is_contiguous() for p in pieces)
+             and all(b.data_ptr() == a.data_ptr() + a.numel() * es for a, b in zip(pieces, pieces[1:])))
+    return first.as_strided((n,), (1,), 0) if tiles else torch.cat(pieces)
 
 
 def _parts(engine, client_state, exclude_frozen):
