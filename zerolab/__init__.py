@@ -37,6 +37,8 @@ _EXPORTS = {
     # engines (chapters 3-9)
     "initialize": "zerolab.engine",
     "gathered_parameters": "zerolab.engine",
+    "consolidate_fp32": "zerolab.engine.consolidate",     # checkpoints (chapter 8)
+    "CheckpointError": "zerolab.engine.checkpoint_io",
     # book helpers
     "show": "zerolab.book",
 }

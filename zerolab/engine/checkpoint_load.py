@@ -39,7 +39,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True, load
     try:
         check_compatible(saved, layout(engine))
         client_state = _load_state(engine, saved, load_optimizer_states, load_lr_scheduler_states)
-    except (CheckpointError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it before the collective below
         error = e
     finally:
         engine.checkpoint_stats = {"load_bytes_read": saved.bytes_read, "load_bytes_mapped": saved.mapped_bytes}

@@ -29,6 +29,7 @@ class SavedCheckpoint:
         self._files: dict = {}
         self.mapped_bytes = 0   # storages of the opened files (memory-mapped: pages are read when touched)
         self.bytes_read = 0     # bytes copied out of them
+        self.shard_numel = sum(u["shard"] for u in self.layout["units"])   # each saved rank's slice
         self.index = {}   # param name -> (saved unit index, offset in the unit, numel, shape)
         for ui, u in enumerate(self.layout["units"]):
             for name, shape, off in u["params"]:
@@ -44,11 +45,17 @@ class SavedCheckpoint:
         name = optim_file(r)
         data = self.file(name)
         try:
-            return data["state"][key]
+            t = data["state"][key]
         except (KeyError, TypeError):
             raise CheckpointError(f"{self.dir}/{name}: no state {key!r} (found "
                                   f"{sorted(data.get('state', {})) if isinstance(data, dict) else type(data)})") \
                 from None
+        want = self.shard_numel
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != want:
+            found = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CheckpointError(f"{self.dir}/{name}: state {key!r} is {found}, expected [{want}] (the rank's "
+                                  f"shard of every unit, from the manifest's layout)")
+        return t
 
     def model_states(self) -> dict:
         return self.file(model_file(0, self.engine["stage"]))
