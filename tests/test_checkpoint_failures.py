@@ -146,8 +146,11 @@ def spoil(root, how):
         os.truncate(f, os.path.getsize(f) - 100)
     elif how == "missing":
         os.remove(f)
-    elif how == "code":   # a well-formed file whose unpickling would import a class: refused
-        torch.save({"state": {"fp32": torch.zeros(3)}, "evil": MLP()}, f)
+    elif how in ("code", "wrong-length"):   # well-formed files, consistent with the manifest
+        if how == "code":   # ... whose unpickling would import a class: refused
+            torch.save({"state": {"fp32": torch.zeros(3)}, "evil": MLP()}, f)
+        else:               # ... whose shard has the wrong number of elements
+            torch.save({"state": {k: torch.zeros(3) for k in ("fp32", "exp_avg", "exp_avg_sq")}}, f)
         m = json.load(open(os.path.join(tag, "manifest.json")))
         from zerolab.engine.checkpoint_io import sha256_of
         m["files"][optim_file(1)].update(bytes=os.path.getsize(f), sha256=sha256_of(f))
@@ -156,7 +159,8 @@ def spoil(root, how):
 
 
 @pytest.mark.parametrize("how,expect", [("corrupt", "sha256"), ("truncated", "bytes, expected"),
-                                        ("missing", "missing"), ("code", "cannot be loaded")])
+                                        ("missing", "missing"), ("code", "cannot be loaded"),
+                                        ("wrong-length", "'fp32' is [3], expected [")])
 def test_bad_rank_file_is_named_on_every_rank(tmp_path, how, expect):
     root = str(tmp_path)
     zl.launch(save_two_ranks, world_size=2, args=(root,), threads=1)
