@@ -258,3 +258,24 @@ def test_saving_a_tag_again_replaces_it_whole(tmp_path):
     e2.load_checkpoint(tmp_path)
     assert e2.global_steps == 2
     assert torch.equal(e2.full_state_dict()["wte.weight"], engine.full_state_dict()["wte.weight"])
+
+
+def test_load_flags_optimizer_and_schedule(tmp_path):
+    """load_optimizer_states=False: weights only, a fresh optimizer; load_lr_scheduler_states=False:
+    the schedule restarts at 0. Both default to True (every test above)."""
+    cfg = {**CFG, "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                               "warmup_num_steps": 10}}}
+    model, engine = build(cfg=cfg)
+    for i in range(3):
+        step(engine, model, i)
+    engine.save_checkpoint(tmp_path)
+    sched = engine.scheduler
+    for opt_states, sched_states, want_lr, want_count in [(True, True, sched.lr(3), 3), (True, False, sched.lr(0), 3),
+                                                          (False, True, sched.lr(3), 0), (False, False, sched.lr(0), 0)]:
+        _, e2 = build(seed=8, cfg=cfg)
+        e2.load_checkpoint(tmp_path, load_optimizer_states=opt_states, load_lr_scheduler_states=sched_states)
+        assert e2.get_lr() == want_lr and e2.optimizer.step_count == want_count, (opt_states, sched_states)
+        assert e2.global_steps == 3 and e2.scheduler.warmup_num_steps == 10
+        moments_zero = all(not s.any() for s in e2.optimizer.state)
+        assert moments_zero == (not opt_states)
+        assert torch.equal(e2.full_state_dict()["wte.weight"], engine.full_state_dict()["wte.weight"])

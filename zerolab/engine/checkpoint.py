@@ -25,6 +25,7 @@ read cleanly before any collective, so a bad file is an error, never a hang.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -154,13 +155,13 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_froze
         except OSError as e:
             error = CheckpointError(f"{save_dir}: cannot create the checkpoint folder ({e.strerror})")
     agree(engine, error, "save_checkpoint")
-    files, error = {}, None
+    files, error, name = {}, None, "(preparing its state)"
     try:
         for name, obj in _parts(engine, client_state, exclude_frozen_parameters):
             files[name] = {**write_checked(obj, os.path.join(tmp, name)), "rank": engine.rank}
             del obj
     except OSError as e:
-        why = "the disk is full" if e.errno == 28 else e.strerror
+        why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror
         error = CheckpointError(f"save_checkpoint: rank {engine.rank} could not write {tmp}/{name} ({why}); "
                                 f"the save of {tag!r} was abandoned, {_previous(save_dir)}")
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others would hang

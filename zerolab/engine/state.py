@@ -153,6 +153,11 @@ class ShiftedSchedule:
     def lr(self, t: int) -> float:
         return self.schedule.lr(t + self.shift)
 
+    def __getattr__(self, name):   # the schedule's own settings (warmup_num_steps, ...) read through
+        if name == "schedule":
+            raise AttributeError(name)
+        return getattr(self.schedule, name)
+
 
 def schedule_position(engine) -> int:
     """The step the schedule is at (what ``get_lr`` reads)."""
