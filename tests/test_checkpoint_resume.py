@@ -7,7 +7,8 @@ fresh model from another seed, ``load_checkpoint``s and trains m more steps.
 Losses after the resume, the final fp32 parameters, the step counters and the
 loss scale must be *equal*, bit for bit. The default run covers every pair of
 factor values (12 cases); the full matrix (60 cases) is marked ``slow``.
-A planted bug (the optimizer moments not restored) must make the comparison fail.
+Planted bugs (moments, Adam's step count, the fp16 loss scaler or the schedule
+position not restored) must each make the comparison fail.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 import zerolab as zl
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
+from zerolab.engine.state import ShiftedSchedule
 
 K, M = 3, 3       # steps before the save, steps after the resume
 ROWS = 2          # rows per rank per micro-batch
@@ -97,6 +99,20 @@ def first_run(cases, root):
     return out
 
 
+def plant_bug(engine, plant):
+    """The bugs the comparison must catch: one piece of state not restored."""
+    if plant == "moments":
+        for s in engine.optimizer.state:
+            s.zero_()
+    elif plant == "step_count":     # Adam's bias correction restarts
+        engine.optimizer.step_count = 0
+    elif plant == "scaler":         # the fp16 loss scale back to its initial value
+        engine.scaler.load_state_dict({"scale": 2.0 ** FP16["initial_scale_power"], "iteration": 0,
+                                       "last_overflow": -1, "hysteresis_left": FP16["hysteresis"]})
+    elif plant == "schedule":       # the learning-rate schedule restarts at step 0
+        engine.scheduler = ShiftedSchedule(engine.scheduler, -engine.optimizer.step_count)
+
+
 def resumed_run(cases, root, plant=None):
     """Fresh processes, a model from another seed: load, then m more steps."""
     out = []
@@ -105,9 +121,7 @@ def resumed_run(cases, root, plant=None):
         engine = zl.initialize(model, make_config(case, root, i))
         path, client = engine.load_checkpoint(f"{root}/case{i}")
         assert path is not None and client == {}
-        if plant == "moments":   # the bug the test must catch: moments not restored
-            for s in engine.optimizer.state:
-                s.zero_()
+        plant_bug(engine, plant)
         out.append(summary(engine, train(engine, model, K, M)))
         engine.close()
     return out
@@ -139,12 +153,13 @@ def test_resume_is_bit_identical_pairwise(tmp_path):
     assert all(a["skipped_steps"] > 0 for a in fp16), "fp16 cases never skipped a step: the scaler is untested"
 
 
-def test_resume_planted_bug_is_caught(tmp_path):
-    """Moments left at zero after the load: the losses after the resume differ."""
-    cases = [(1, "fp32", "none", "WarmupLR")]
+@pytest.mark.parametrize("plant", ["moments", "step_count", "scaler", "schedule"])
+def test_resume_planted_bug_is_caught(tmp_path, plant):
+    """One piece of state not restored after the load: the comparison fails."""
+    cases = [(1, "fp16" if plant == "scaler" else "fp32", "none", "WarmupLR")]
     root = str(tmp_path)
     full = zl.launch(first_run, world_size=2, args=(cases, root), timeout=300, threads=1)[0]
-    bad = zl.launch(resumed_run, world_size=2, args=(cases, root, "moments"), timeout=300, threads=1)[0]
+    bad = zl.launch(resumed_run, world_size=2, args=(cases, root, plant), timeout=300, threads=1)[0]
     with pytest.raises(AssertionError):
         check(cases, full, bad)
 
