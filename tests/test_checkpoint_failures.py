@@ -279,3 +279,18 @@ def test_load_flags_optimizer_and_schedule(tmp_path):
         moments_zero = all(not s.any() for s in e2.optimizer.state)
         assert moments_zero == (not opt_states)
         assert torch.equal(e2.full_state_dict()["wte.weight"], engine.full_state_dict()["wte.weight"])
+
+
+def test_manifest_write_failing_keeps_previous(tmp_path, monkeypatch):
+    """Rank 0's last steps (manifest, rename, latest) failing: a clear error, 'latest' untouched."""
+    import errno as errno_
+    import zerolab.engine.checkpoint as ck
+    model, engine = build()
+    engine.save_checkpoint(tmp_path, tag="a")
+
+    def full(path, text):
+        raise OSError(errno_.ENOSPC, os.strerror(errno_.ENOSPC))
+    monkeypatch.setattr(ck, "write_text_atomic", full)
+    with pytest.raises(CheckpointError, match="rank 0 could not finish .*'latest' still names 'a'"):
+        engine.save_checkpoint(tmp_path, tag="b")
+    assert sorted(os.listdir(tmp_path)) == ["a", "latest"]

@@ -191,6 +191,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_froze
             fsync_dir(save_dir)
             write_text_atomic(os.path.join(save_dir, LATEST), tag + "\n")
         except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
             error = CheckpointError(f"save_checkpoint: rank 0 could not finish {final} ({e.strerror}); "
                                     f"{_previous(save_dir)}")
     agree(engine, error, "save_checkpoint")
