@@ -74,8 +74,9 @@ def comm_worker(cases):
             engine.backward(loss_fn(engine(x), y))
             engine.step()
         recs = [(r.op, r.bytes, r.numel, r.tag) for r in engine.comm.records]
-        out.append((recs, engine.flat.padded, len(engine.buckets), len(engine.gather_buckets),
-                    [sum(u.padded for u in b) for b in engine.buckets]))
+        out.append((recs, engine.flat.padded, len(engine.buckets), len(engine.flat.units),
+                    [sum(u.padded for u in b) for b in engine.buckets],
+                    [u.padded for b in engine.buckets for u in b]))
     return out
 
 
@@ -85,7 +86,8 @@ def test_ledger_bytes_equal_comm_volume(n):
              for b in (1500, 10**8)]
     results = zl.launch(comm_worker, world_size=n, args=(cases,), timeout=300, threads=1)
     for rank_results in results:
-        for (stage, prec, gas, bucket), (recs, padded, nb, ngb, bucket_numels) in zip(cases, rank_results):
+        for (stage, prec, gas, bucket), (recs, padded, nb, n_units, bucket_numels, unit_numels) in \
+                zip(cases, rank_results):
             by_op = {}
             for op, nbytes, _, _ in recs:
                 by_op[op] = by_op.get(op, 0) + nbytes
@@ -104,8 +106,9 @@ def test_ledger_bytes_equal_comm_volume(n):
             # bucket sizes show as the number and size of the collectives
             reductions = [numel for op, _, numel, _ in recs if op in ("all_reduce", "reduce_scatter")]
             rounds = gas if stage == 2 else 1
-            assert reductions == bucket_numels * rounds
-            assert len([r for r in recs if r[0] == "all_gather"]) == (ngb if stage else 0)
+            # stage 1 reduce-scatters a bucket unit by unit (no packing copy); stage 2 the bucket's staging
+            assert reductions == (unit_numels if stage == 1 else bucket_numels * rounds)
+            assert len([r for r in recs if r[0] == "all_gather"]) == (n_units if stage else 0)   # unit by unit
             if bucket == 1500:
                 assert nb == 3  # small buckets: one unit each (rest + 2 blocks)
             else:

@@ -48,14 +48,16 @@ def world_table(result: dict, world: dict) -> str:
                {None: "default (off for stages 0-2)", True: "on", False: "off"}[s.get("overlap_comm")])
             + (f"; simulated link {s['link']} where named" if result["mode"] == "overlap" else ""))
     width = max([46] + [len(r["label"]) + 1 for r in world["contenders"]])
-    lines = [head, f"{'contender':<{width}}{'median ms':>10}{'IQR ms':>12}{'CPU ms':>8}{'held MB':>9}{'peak MB':>9}"
-                   f"{'16Ψ/N MB':>9}{'sent/step MB':>13}{'max|Δp|':>9}"]
+    lines = [head, f"{'contender':<{width}}{'median ms':>10}{'IQR ms':>12}{'CPU ms':>8}{'floor ms':>9}{'eff':>6}"
+                   f"{'held MB':>9}{'peak MB':>9}{'16Ψ/N MB':>9}{'peak-16Ψ/N':>11}{'sent/step MB':>13}{'max|Δp|':>9}"]
     for r in world["contenders"]:
         iqr = f"{r['q1_ms']:.0f}-{r['q3_ms']:.0f}"
         sent = f"{r['bytes_per_step'] / MB:.2f}" + ("" if r["bytes_source"] == "ledger" else "*")
-        lines.append(f"{r['label']:<{width}}{r['median_ms']:>10.1f}{iqr:>12}{r['cpu_ms']:>8.0f}{_mb(r['held_bytes']):>9}"
-                     f"{_mb(r['peak_bytes']):>9}{r['states_theory_bytes'] / MB:>9.1f}{sent:>13}"
-                     f"{r['max_abs_diff']:>9.0e}")
+        over = r.get("peak_minus_states_bytes")
+        lines.append(f"{r['label']:<{width}}{r['median_ms']:>10.1f}{iqr:>12}{r['cpu_ms']:>8.0f}"
+                     f"{r.get('floor_ms', float('nan')):>9.1f}{r.get('efficiency', float('nan')):>6.2f}"
+                     f"{_mb(r['held_bytes']):>9}{_mb(r['peak_bytes']):>9}{r['states_theory_bytes'] / MB:>9.1f}"
+                     f"{'-' if over is None else f'{over / MB:.1f}':>11}{sent:>13}{r['max_abs_diff']:>9.0e}")
     if world.get("ratios"):
         lines.append("ours / peer (median step time, same run; < 1 means ours is faster; CPU: CPU time per step):")
         for q in world["ratios"]:
@@ -66,8 +68,14 @@ def world_table(result: dict, world: dict) -> str:
         for q in world["speedups"]:
             lines.append(f"  stage {q['stage']}  {q['link']:<10} {q['speedup']:.2f}x "
                          f"({q['serial_ms']:.1f} -> {q['overlap_ms']:.1f} ms)")
-    lines.append("CPU ms: CPU seconds per step of one rank (all its threads), mean over ranks; held/peak: resident MB the contender adds, max over ranks (VmHWM); 16Ψ/N: fp32 Adam model "
-                 "states of its stage (theory); sent/step: our ledger, * = ring formulas; max|Δp|: final "
+    if world.get("floor"):
+        f = world["floor"]
+        lines.append(f"floor, same run: one rank's micro-batch alone {f['compute_ms']:.1f} ms + a bare all-reduce of "
+                     f"Ψ fp32 {f['comm_ms']:.1f} ms ({f['comm_bytes'] / MB:.2f} MB sent), scaled to each row's bytes")
+    lines.append("CPU ms: CPU seconds per step of one rank (all its threads), mean over ranks; floor: the step with no "
+                 "overhead (bench/floor.py); eff: floor / median; held/peak: resident MB the contender adds, max over "
+                 "ranks (VmHWM); 16Ψ/N: fp32 Adam model states of its stage (theory); peak-16Ψ/N: the rest of the "
+                 "peak (activations, buffers, temporaries); sent/step: our ledger, * = ring formulas; max|Δp|: final "
                  "parameters vs the first row")
     return "\n".join(lines) + "\n"
 
@@ -120,6 +128,34 @@ def plot(result: dict, path: str) -> str | None:
     return path
 
 
+def plot_memory(result: dict, path: str) -> str | None:
+    """Peak resident MB per contender (max over ranks), grouped by stage, one panel per world
+    size; the model states of the stage (16Ψ/N, theory) as a black tick on each bar."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = [w for w in result["runs"] if any(r["peak_bytes"] and r["peak_bytes"][0] is not None
+                                             for r in w["contenders"])]
+    if not runs or result["mode"] == "overlap":
+        return None
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.8), squeeze=False)
+    for ax, w in zip(axes[0], runs):
+        rows = [r for r in w["contenders"] if r["peak_bytes"][0] is not None]
+        for i, r in enumerate(rows):
+            color = "C0" if r["kind"] == "ours" else "0.6"
+            ax.bar(i, max(r["peak_bytes"]) / MB, 0.7, color=color)
+            ax.plot([i - 0.35, i + 0.35], [r["states_theory_bytes"] / MB] * 2, color="k", lw=2)
+        names = [f"{r['stage']}: " + ("ours" if r["kind"] == "ours" else
+                                      SHORT.get(r["kind"], r["kind"]).replace("\n", " ")) for r in rows]
+        ax.set_xticks(range(len(rows)), names, fontsize=7, rotation=60)
+        ax.set_ylabel("peak resident MB per rank")
+        ax.set_title(f"N = {w['world_size']} (blue: zerolab; black: 16Ψ/N)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def save(result: dict, out: str) -> dict:
     """Write ``bench.json`` (or ``overlap.json``) and the matching PNG into ``out``."""
     os.makedirs(out, exist_ok=True)
@@ -129,6 +165,9 @@ def save(result: dict, out: str) -> dict:
         png = plot(result, os.path.join(out, f"{stem}.png"))
         if png:
             paths["png"] = png
+        mem = plot_memory(result, os.path.join(out, f"{stem}_memory.png"))
+        if mem:
+            paths["memory_png"] = mem
     except ImportError:
         result["notes"].append("matplotlib is not installed: no plot")
     result["files"] = paths

@@ -17,6 +17,8 @@ allocated: DeepSpeed's up-front ``reduce_bucket_size`` buffer (5e8 elements
 by default) is never touched on CPU and does not count. Bytes per step: our
 ledger; the peers' from the ring formulas. After the last step every contender's full parameters are compared with the
 first contender's (max abs difference): all of them do the same maths.
+Each round also times the floor (``floor.py``): one rank's micro-batch alone and a
+bare all-reduce of Ψ; each contender's *efficiency* is its floor / its median step.
 
 ``--overlap`` times only our engine: ``overlap_comm`` off and on (stage 3:
 prefetch and overlap off and on), on raw loopback and on a simulated link
@@ -32,6 +34,7 @@ import warnings
 from dataclasses import dataclass
 
 from zerolab.bench import peers as bp
+from zerolab.bench.floor import BareAllReduce, FloorCompute, floor_ms, with_floor
 from zerolab.bench.report import ratios, speedups  # noqa: F401 - summaries of one world size
 
 SCHEMA = "zerolab-bench/1"
@@ -132,11 +135,19 @@ def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
         out[spec.key]["build_s"] = time.perf_counter() - t0
         r.reset_bytes()  # the ledger counts the timed steps only
         runners.append((spec, r))
+    fc = FloorCompute(preset)   # the floor (floor.py): one micro-batch alone, a bare all-reduce of Ψ
+    ba = BareAllReduce(sum(p.numel() for p in fc.model.parameters()), world)
+    for _ in range(warmup + 1):
+        one_step(fc), one_step(ba)
+    out["_floor"] = dict(compute=[], comm=[], comm_bytes=ba.bytes)
     for rnd in range(repeats):
         order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
         for spec, r in order:
             for _ in range(steps):
                 out[spec.key]["times"].append(one_step(r, out[spec.key]["cpu"]))
+        for _ in range(steps):   # the floor, in the same rounds
+            out["_floor"]["compute"].append(one_step(fc))
+            out["_floor"]["comm"].append(one_step(ba))
     ref = None
     for spec, r in runners:
         full = r.full_params()  # collective: every rank calls it
@@ -180,7 +191,7 @@ def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, 
     _preload({s.kind for s in specs})
     per_rank = launch(_rank_main, world_size=world_size, threads=1, timeout=timeout,
                       args=(specs, preset, batch, steps, repeats, warmup, memory))
-    rows = []
+    rows, floor = [], floor_ms([pr["_floor"] for pr in per_rank])
     for spec in specs:
         ranks = [pr[spec.key] for pr in per_rank]
         step_s = [max(ts) for ts in zip(*(r["times"] for r in ranks))]  # the slowest rank's step
@@ -199,7 +210,10 @@ def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, 
             states_theory_bytes=estimate(model_params(preset), world_size, spec.stage, "fp32").total,
             link=spec.cfg.get("zerolab", {}).get("link"),
             overlap_comm=spec.cfg["zero_optimization"].get("overlap_comm")))
-    return dict(world_size=world_size, contenders=rows)
+        with_floor(rows[-1], floor)
+        peaks = [p for p in rows[-1]["peak_bytes"] if p is not None]
+        rows[-1]["peak_minus_states_bytes"] = max(peaks) - rows[-1]["states_theory_bytes"] if peaks else None
+    return dict(world_size=world_size, contenders=rows, floor=floor)
 
 
 def _preload(kinds) -> None:

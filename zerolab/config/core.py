@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from zerolab.config.optimizer import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
 from zerolab.config.precision import FP16Config, check_precision, read_bf16, read_fp16, read_grad_accum_dtype
-from zerolab.config.schema import ConfigError, load_json, read_bool, read_float, read_int, section
+from zerolab.config.schema import ConfigError, is_auto, load_json, read_bool, read_float, read_int, section
 from zerolab.config.zero import ZeroConfig, read_zero
 
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -80,6 +81,11 @@ class Config:
         ignored: list[str] = []
         notes: list[str] = []
         top = section(raw, "", ignored, TOP_KEYS, TOP_ALIASES, TOP_IGNORED)
+        autos = auto_keys(raw)
+        if autos:   # Hugging Face Trainer's placeholders: one warning naming them all
+            msg = f'"auto" replaced by zerolab\'s defaults (zerolab.config.defaults) for: {", ".join(autos)}'
+            warnings.warn(msg, UserWarning, stacklevel=3)
+            notes.append(msg)
         fp16, bf16 = read_fp16(top.get("fp16"), ignored), read_bf16(top.get("bf16"), ignored)
         check_precision(fp16, bf16)
         zl = section(top.get("zerolab"), "zerolab", ignored, ZEROLAB_KEYS)
@@ -91,7 +97,7 @@ class Config:
             optimizer=read_optimizer(top.get("optimizer"), notes, ignored),
             scheduler=read_scheduler(top.get("scheduler"), ignored),
             fp16=fp16, bf16_enabled=bf16, grad_accum_dtype=read_grad_accum_dtype(top.get("data_types"), ignored),
-            zero=read_zero(top.get("zero_optimization"), ignored),
+            zero=read_zero(top.get("zero_optimization"), ignored, notes),
             debug=read_bool(zl, "debug", "zerolab", False), link=read_link(zl), trace=read_bool(zl, "trace", "zerolab", False),
             ignored=tuple(ignored), notes=tuple(notes),
             gas_given=read_int(top, "gradient_accumulation_steps", "", None, minimum=1) is not None)
@@ -126,6 +132,18 @@ class Config:
             raise ConfigError(f"{rule}: {tbs} != {mbs} x {gas} x {w} = {mbs * gas * w}")
         return dataclasses.replace(self, train_batch_size=tbs, train_micro_batch_size_per_gpu=mbs,
                                    gradient_accumulation_steps=gas, gas_given=True)
+
+
+def auto_keys(raw, path: str = "") -> list[str]:
+    """The dotted paths of every "auto" value in a raw config (dicts nested in dicts)."""
+    out = []
+    for k, v in raw.items():
+        full = f"{path}.{k}" if path else str(k)
+        if isinstance(v, dict):
+            out += auto_keys(v, full)
+        elif isinstance(v, str) and is_auto(v):
+            out.append(full)
+    return out
 
 
 def read_link(zl: dict) -> str | None:

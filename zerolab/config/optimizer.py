@@ -3,6 +3,8 @@
 Key tables, defaults and readers side by side. Every parameter name is checked
 here against what the engine's optimizer (``zerolab.engine.optim``) and
 schedules accept, so a typo fails when the config is read, not at the first step.
+Defaults (``OPTIMIZER_DEFAULTS``) are DeepSpeed's: weight decay 0 for Adam and
+AdamW, torch.optim.AdamW's 0.01 with ``"torch_adam": true`` (as DeepSpeed).
 """
 from __future__ import annotations
 
@@ -16,7 +18,12 @@ OPTIMIZER_PARAMS = {"adam": ("lr", "betas", "eps", "weight_decay"),
                     "adamw": ("lr", "betas", "eps", "weight_decay"),
                     "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay")}
 # DeepSpeed's optimizer switches with no meaning here: accepted and listed in Config.ignored
-OPTIMIZER_IGNORED = ("torch_adam", "bias_correction", "amsgrad_mode", "fused")
+OPTIMIZER_IGNORED = ("bias_correction", "amsgrad_mode", "fused")
+# the defaults of each optimizer's params, as DeepSpeed's FusedAdam / DeepSpeedCPUAdam (weight decay 0)
+OPTIMIZER_DEFAULTS = {"adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+                      "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+                      "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0}}
+TORCH_ADAMW_WEIGHT_DECAY = 0.01   # torch.optim.AdamW's default: DeepSpeed's with "torch_adam": true
 # torch.optim flags zerolab's optimizer does not implement: an error when switched on
 OPTIMIZER_UNSUPPORTED = ("amsgrad", "maximize", "foreach", "capturable", "differentiable")
 SCHEDULER_PARAMS = {"WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
@@ -58,6 +65,7 @@ def read_optimizer(raw, notes: list, ignored: list) -> OptimizerConfig:
     for k in OPTIMIZER_IGNORED:
         if params.pop(k, None) is not None:
             ignored.append(f"optimizer.params.{k}")
+    torch_adam = params.pop("torch_adam", False)
     w_mode = params.pop("adam_w_mode", None)
     if typ == "adam" and w_mode is True:
         typ = "adamw"
@@ -65,6 +73,8 @@ def read_optimizer(raw, notes: list, ignored: list) -> OptimizerConfig:
     elif typ == "adam" and w_mode is None:
         notes.append("optimizer: 'Adam' here is torch.optim.Adam (L2 weight decay); DeepSpeed's 'Adam' defaults "
                      "to AdamW mode -- write \"AdamW\" or \"adam_w_mode\": true to match it")
+    if torch_adam is True and typ == "adamw" and "weight_decay" not in params:   # torch.optim.AdamW's default
+        params["weight_decay"] = TORCH_ADAMW_WEIGHT_DECAY
     check_optimizer_params(typ, params)
     if "betas" in params:
         params["betas"] = tuple(params["betas"])

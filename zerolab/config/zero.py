@@ -4,10 +4,18 @@ Key table, defaults (the dataclasses) and reader side by side. The rules that
 tie keys together are checked here, once: offloading the optimizer needs a
 partitioned optimizer (stage >= 1), offloading parameters needs partitioned
 parameters (stage 3), ZeRO++ needs stage 3.
+
+``reduce_bucket_size: 0`` (Hugging Face's ZeRO-3 test configs write it; DeepSpeed
+0.19.8's own config class rejects it) means "each gradient on its own": here the
+smallest collective is one *unit* (the parameters a module owns directly travel
+together), so 0 is one bucket per unit. ``stage3_prefetch_bucket_size: 0`` turns
+prefetch off, as in DeepSpeed. Keys accepted without effect
+(``NO_EFFECT``) warn when set to something other than their default.
 """
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from zerolab.config.schema import ConfigError, read_bool, read_choice, read_int, section
@@ -38,12 +46,20 @@ OFFLOAD_KEYS = ("device", "nvme_path", "pin_memory", "buffer_count", "buffer_siz
 OFFLOAD_IGNORED = {"offload_optimizer": ("pipeline_read", "pipeline_write", "pipeline", "fast_init", "ratio"),
                    "offload_param": ("max_in_cpu",)}
 
+# accepted for DeepSpeed's sake but without effect here: (path, default, why), warned when not default
+NO_EFFECT = (("zero_optimization.contiguous_gradients", True,
+              "the gradient shard is always one contiguous buffer"),
+             ("zero_optimization.offload_param.pin_memory", True,
+              "parameters are offloaded unit by unit without a pinned staging buffer"),
+             ("zero_optimization.offload_param.buffer_size", 100_000_000,
+              "each unit is read whole; buffer_count alone bounds the read-ahead"))
+
 
 @dataclass
 class OffloadConfig:
     device: str = "none"            # "none" | "cpu" | "nvme"
     nvme_path: str | None = None
-    pin_memory: bool = False
+    pin_memory: bool = True         # DeepSpeed's default; pinning happens only with a CUDA device
     buffer_count: int = 4            # DeepSpeed: 4 for offload_optimizer, 5 for offload_param
     buffer_size: int = 100_000_000   # offload_param only (elements per staging buffer)
 
@@ -51,7 +67,7 @@ class OffloadConfig:
 @dataclass
 class ZeroConfig:
     stage: int = 0
-    reduce_bucket_size: int = 500_000_000          # elements (DeepSpeed default 5e8)
+    reduce_bucket_size: int = 500_000_000          # elements (DeepSpeed default 5e8); 0 = one unit per bucket
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool | None = None               # None -> False for stages 0-2, True for stage 3
     contiguous_gradients: bool = True
@@ -90,13 +106,13 @@ def read_offload(raw, path: str, ignored: list) -> OffloadConfig:
     if device == "nvme" and not nvme_path:
         raise ConfigError(f"{path}.device is 'nvme' but {path}.nvme_path is missing; give a directory on the NVMe drive")
     return OffloadConfig(device=device, nvme_path=None if nvme_path is None else os.fspath(nvme_path),
-                         pin_memory=read_bool(d, "pin_memory", path, False),
+                         pin_memory=read_bool(d, "pin_memory", path, True),
                          buffer_count=read_int(d, "buffer_count", path, 4 if name == "offload_optimizer" else 5,
                                                minimum=1),
                          buffer_size=read_int(d, "buffer_size", path, 100_000_000, minimum=1))
 
 
-def read_zero(raw, ignored: list) -> ZeroConfig:
+def read_zero(raw, ignored: list, notes: list | None = None) -> ZeroConfig:
     p, z = "zero_optimization", ZeroConfig()
     d = section(raw, p, ignored, ZERO_KEYS, ZERO_ALIASES, ZERO_IGNORED)
     stage = d.get("stage", 0)
@@ -109,9 +125,8 @@ def read_zero(raw, ignored: list) -> ZeroConfig:
         "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
         "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance")}
     sizes["sub_group_size"] = read_int(d, "sub_group_size", p, z.sub_group_size, minimum=1)
-    for k in ("reduce_bucket_size", "allgather_bucket_size"):
-        if sizes[k] < 1:
-            raise ConfigError(f"{p}.{k}: must be >= 1 element, got {d[k]!r}")
+    if sizes["allgather_bucket_size"] < 1:
+        raise ConfigError(f"{p}.allgather_bucket_size: must be >= 1 element, got {d['allgather_bucket_size']!r}")
     out = ZeroConfig(
         stage=stage, overlap_comm=read_bool(d, "overlap_comm", p, None),
         contiguous_gradients=read_bool(d, "contiguous_gradients", p, True),
@@ -122,7 +137,21 @@ def read_zero(raw, ignored: list) -> ZeroConfig:
         zero_quantized_gradients=read_bool(d, "zero_quantized_gradients", p, False),
         zero_hpz_partition_size=read_int(d, "zero_hpz_partition_size", p, 1, minimum=1), **sizes)
     check_zero(out)
+    warn_no_effect(out, notes)
     return out
+
+
+def warn_no_effect(z: ZeroConfig, notes: list | None) -> None:
+    """One warning naming every key set to a non-default value that has no effect here."""
+    values = {"zero_optimization.contiguous_gradients": z.contiguous_gradients,
+              "zero_optimization.offload_param.pin_memory": z.offload_param.pin_memory,
+              "zero_optimization.offload_param.buffer_size": z.offload_param.buffer_size}
+    set_ = [f"{key}={values[key]!r} ({why})" for key, default, why in NO_EFFECT if values[key] != default]
+    if set_:
+        msg = f"accepted without effect in zerolab: {'; '.join(set_)}"
+        warnings.warn(msg, UserWarning, stacklevel=4)
+        if notes is not None:
+            notes.append(msg)
 
 
 def check_zero(z: ZeroConfig) -> None:

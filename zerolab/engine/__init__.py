@@ -33,7 +33,8 @@ def initialize(model: nn.Module, config, link=None) -> Engine:
 
     Call it on every rank with the same model; rank 0's parameters and buffers
     are broadcast to the others. Raises ``ConfigError`` / ``ValueError`` for
-    what the engine cannot do, before touching the model.
+    what the engine cannot do, before touching the model; if building the engine
+    fails later (a bad ``nvme_path``), the model is put back as it was.
     """
     cfg = Config.from_any(config)
     if link is not None:  # a simulated link (zerolab.theory.network) for this engine only
@@ -45,7 +46,52 @@ def initialize(model: nn.Module, config, link=None) -> Engine:
     if cfg.zero.offload_optimizer.device != "none" or cfg.zero.offload_param.device != "none":
         from zerolab.engine.offloaded import offload_engine  # chapter 7: ZeRO-Offload / ZeRO-Infinity
         cls = offload_engine(cfg.zero)
-    return cls(model, cfg, communicator)
+    saved = ModelSnapshot(model)
+    try:
+        engine = cls(model, cfg, communicator)
+    except BaseException:   # e.g. a bad nvme_path: put the model back as it was, so a retry works
+        saved.restore()
+        raise
+    for p in model.parameters():
+        p._zerolab_engine = True
+    return engine
+
+
+class ModelSnapshot:
+    """What building an engine changes in a model, kept to undo a failed ``initialize``: each
+    module's parameter, buffer and hook tables, each parameter's data, ``requires_grad``,
+    ``.grad`` and gradient hooks, and the buffers' values (cloned: they are broadcast in place).
+    Frozen parameters may hold rank 0's values afterwards (they are broadcast in place; a
+    successful ``initialize`` gives them the same)."""
+
+    HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks",
+             "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+    def __init__(self, model: nn.Module):
+        self.modules = [(m, dict(m._parameters), dict(m._buffers),
+                         {h: dict(getattr(m, h)) for h in self.HOOKS if hasattr(m, h)}) for m in model.modules()]
+        params = {id(p): p for p in model.parameters()}.values()
+        self.params = [(p, p.data, p.requires_grad, p.grad, dict(getattr(p, "_post_accumulate_grad_hooks", None) or {}))
+                       for p in params]
+        self.buffer_values = [(b, b.detach().clone()) for b in model.buffers()]
+
+    def restore(self) -> None:
+        for m, params, buffers, hooks in self.modules:
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+            for h, table in hooks.items():
+                getattr(m, h).clear()
+                getattr(m, h).update(table)
+        for p, data, requires_grad, grad, grad_hooks in self.params:
+            p.data, p.grad = data, grad
+            p.requires_grad_(requires_grad)
+            if getattr(p, "_post_accumulate_grad_hooks", None) is not None:
+                p._post_accumulate_grad_hooks.clear()
+                p._post_accumulate_grad_hooks.update(grad_hooks)
+        for b, value in self.buffer_values:
+            b.copy_(value)
 
 
 def _check_supported(model: nn.Module, cfg) -> None:
@@ -84,5 +130,3 @@ def _check_supported(model: nn.Module, cfg) -> None:
     for p in params:
         if p.grad is not None and p.grad.is_sparse:
             raise ValueError("sparse gradients are not supported")
-    for p in params:
-        p._zerolab_engine = True

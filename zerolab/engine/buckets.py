@@ -8,10 +8,11 @@ unit in the bucket, the units' buffers are laid out *rank-major*:
     units u1, u2 (N = 2)    full:        | u1: r0 r1 | u2: r0 r1 |
                             rank-major:  | r0 of u1, r0 of u2 | r1 of u1, r1 of u2 |
 
-``rank_major`` packs (stage 1's gradients), ``unpack_rank_major`` unpacks (stage 1-2's
-gathered parameters), and ``rank_major_pieces`` says where each parameter's
-gradient lands in a rank-major staging buffer, so stage 2 copies it there
-directly during backward. ``GradientBuckets`` is the engine's part that fires buckets as their
+``rank_major`` packs and ``unpack_rank_major`` unpacks (chapter 4 shows the layout),
+and ``rank_major_pieces`` says where each parameter's gradient lands in a rank-major
+staging buffer, so stage 2 copies it there directly during backward. Stage 1 needs
+no packing: it reduce-scatters a bucket unit by unit (``HandleGroup`` finishes the
+bucket's collectives together), each straight from the flat gradient buffer. ``GradientBuckets`` is the engine's part that fires buckets as their
 gradients arrive (``grad_arrived`` from the gradient hook, ``launch_ready`` in
 bucket order, ``flush_buckets`` when backward ends) and keeps each collective
 in flight until it is finished (``track``, ``finish_completed``).
@@ -71,6 +72,24 @@ def rank_major_pieces(off: int, numel: int, shard: int, row: int, col: int) -> l
             pieces.append((a, b, d))
         a = b
     return pieces
+
+
+class HandleGroup:
+    """The collectives issued for one bucket (one per unit), finished together: done when all are."""
+
+    def __init__(self, handles):
+        self.handles = list(handles)
+
+    @property
+    def done(self) -> bool:
+        return all(h.done for h in self.handles)
+
+    def is_completed(self) -> bool:
+        return all(h.is_completed() for h in self.handles)
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
 
 
 class GradientBuckets:

@@ -23,6 +23,8 @@ it are in ``offloaded.py`` (stage 3's parameter offload is in ``param_offload``)
 """
 from __future__ import annotations
 
+import errno
+
 import torch
 
 from zerolab.runtime.measure import storage_bytes
@@ -45,6 +47,7 @@ class OffloadOptimizer:
         self.math = ShardedOptimizer(kind, params, [])   # validated hyper-parameters, torch.optim's maths
         self.kind, self.targets, self.has_master, self.device = kind, targets, has_master, off.device
         self.lr, self.step_count = self.math.lr, 0
+        self.read_error = None   # a failed NVMe read of this step, raised once every rank knows
         moments = 2 if kind in ("adam", "adamw") else int(bool(self.math.momentum))  # m, v | momentum | none
         self.slots = int(has_master) + moments                # fp32 arrays per element
         # pieces: (unit, start, end) tiles of each unit's shard, at most sub_group_size elements
@@ -154,10 +157,12 @@ class OffloadOptimizer:
                 self._update(p, g, views, lr)
                 if not self.params_in_place:
                     self.targets[i][a:b].copy_(p)     # host -> device: the updated piece (cast to compute dtype)
-        except OSError as e:
-            raise NVMeError(e.errno, f"offload_optimizer: reading the optimizer state from NVMe failed at step "
-                                     f"{self.step_count} ({e.strerror}); the step is incomplete: restore "
-                                     f"from a checkpoint") from e
+        except OSError as e:   # raised after the ranks agree (OffloadMixin.after_update): none is left waiting
+            self.read_error = NVMeError(e.errno, f"offload_optimizer: reading the optimizer state from NVMe failed "
+                                                 f"at step {self.step_count} ({e.strerror}); the step is "
+                                                 f"incomplete: restore from a checkpoint")
+            self.read_error.__cause__ = e
+            return
         if self.store is not None and self.store.errors:
             i, e = self.store.errors[0]
             held = sum(storage_bytes(t) for t in self.store.dirty.values())
@@ -225,6 +230,23 @@ class OffloadMixin:
         error = self.optimizer.take_error()
         if error is not None:
             raise error
+
+    def after_update(self) -> None:
+        """NVMe: before the parameters travel, the ranks agree whether any read failed (all-reduce
+        MAX of rank + 1), so every rank raises instead of one raising and the others waiting."""
+        failed = self.optimizer.read_error
+        if self.optimizer.store is not None and self.world_size > 1:
+            flag = torch.tensor([float(self.rank + 1) if failed is not None else 0.0], device=self.flat.device)
+            self.communicator.all_reduce(flag, op="max", tag="nvme-read-check")
+            bad = int(flag.item()) - 1
+        else:
+            bad = self.rank if failed is not None else -1
+        if bad >= 0:
+            self.optimizer.read_error = None
+            raise failed or NVMeError(errno.EIO, f"offload_optimizer: rank {bad} failed to read its optimizer "
+                                                 f"state from NVMe at step {self.optimizer.step_count}; every rank "
+                                                 f"stops here: restore from a checkpoint")
+        super().after_update()
 
     def memory(self):
         r = super().memory()

@@ -41,6 +41,8 @@ import math
 
 import torch
 
+from zerolab.config.optimizer import OPTIMIZER_DEFAULTS
+
 # torch's fused Adam kernels (torch.optim.Adam/AdamW(fused=True)); None where this torch lacks them
 FUSED_ADAM = {"adam": getattr(torch, "_fused_adam_", None), "adamw": getattr(torch, "_fused_adamw_", None)}
 FUSED_DEVICES = ("cpu", "cuda")
@@ -58,20 +60,21 @@ class ShardedOptimizer:
         if unsupported:
             raise ValueError(f"optimizer.params {unsupported} are not supported by zerolab's optimizer")
         self.kind, self.targets = kind, targets
-        self.lr = float(p.pop("lr", 1e-3))
-        self.weight_decay = float(p.pop("weight_decay", 0.01 if kind == "adamw" else 0.0))
+        d = OPTIMIZER_DEFAULTS[kind]   # DeepSpeed's defaults (config/defaults.py's table)
+        self.lr = float(p.pop("lr", d["lr"]))
+        self.weight_decay = float(p.pop("weight_decay", d["weight_decay"]))
         n = sum(t.numel() for t in targets)
         dev = targets[0].device if targets else "cpu"
         if kind in ("adam", "adamw"):
-            self.betas = tuple(float(b) for b in p.pop("betas", (0.9, 0.999)))
-            self.eps = float(p.pop("eps", 1e-8))
+            self.betas = tuple(float(b) for b in p.pop("betas", d["betas"]))
+            self.eps = float(p.pop("eps", d["eps"]))
             self.exp_avg = torch.zeros(n, dtype=torch.float32, device=dev)      # m: fp32, shard numel
             self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=dev)   # v: fp32, shard numel
             self.state = [self.exp_avg, self.exp_avg_sq]
         else:
-            self.momentum = float(p.pop("momentum", 0.0))
-            self.dampening = float(p.pop("dampening", 0.0))
-            self.nesterov = bool(p.pop("nesterov", False))
+            self.momentum = float(p.pop("momentum", d["momentum"]))
+            self.dampening = float(p.pop("dampening", d["dampening"]))
+            self.nesterov = bool(p.pop("nesterov", d["nesterov"]))
             if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
                 raise ValueError("SGD nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
             # momentum buffer: fp32, shard numel (none without momentum)

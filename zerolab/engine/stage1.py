@@ -5,11 +5,15 @@ master weights in mixed precision) is split N ways. Rank r keeps and updates
 only its shard, the contiguous slice ``[r*S, (r+1)*S)`` of every unit, so it
 only needs the *reduced* gradient for that slice:
 
-    backward (boundary micro-batch): reduce-scatter each gradient bucket  -> rank r gets its S
+    backward (boundary micro-batch): reduce-scatter each gradient bucket, -> rank r gets its S
+                                     unit by unit, straight from the flat buffer
     step:                            update the shard (fp32)
     during the step:                 all-gather the updated parameters    -> everyone has all Ψ
                                      (each gather bucket as soon as its units are updated,
                                       so it travels while the optimizer updates the rest)
+
+No collective needs a whole-bucket copy: a unit is already laid out as its N shards in
+rank order, so the transient memory is one unit's shard per collective in flight.
 
 A reduce-scatter plus an all-gather moves the same bytes as one all-reduce
 (2Ψ(N-1)/N), so ZeRO-1 saves 12Ψ(N-1)/N bytes of optimizer state for free.
@@ -20,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from zerolab.engine import events as ev
-from zerolab.engine.buckets import rank_major, unpack_rank_major
+from zerolab.engine.buckets import HandleGroup
 from zerolab.engine.stage0 import Stage0Engine
 
 
@@ -44,16 +48,27 @@ class Stage1Engine(Stage0Engine):
             self.all_reduce_grads(i)
 
     def reduce_scatter_grads(self, i: int) -> None:
-        """Reduce-scatter bucket ``i``: rank r receives the sum of every rank's r-th shard
-        of each unit, written into its own slice of the flat gradients."""
-        b = self.buckets[i]
-        inp = rank_major([self.flat.unit_view(self.grads, u) for u in b], self.world_size)  # (N * ΣS,)
-        out = torch.empty(sum(u.shard for u in b), dtype=self.grads.dtype, device=self.grads.device)  # (ΣS,)
-        h = self.communicator.reduce_scatter(out, inp, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
+        """Reduce-scatter bucket ``i`` unit by unit. A unit's gradient is contiguous in the flat
+        buffer with rank r's shard at ``[r*S, (r+1)*S)``, the layout a reduce-scatter reads, so
+        nothing is packed: rank r receives the sum of its shard (S elements) of each unit and
+        copies it into its own slice. Transient memory: S per unit in flight, never Ψ."""
+        b, g = self.buckets[i], self.grads
+        if self.overlap_comm:   # every unit's collective in flight at once: one output each
+            outs = [torch.empty(u.shard, dtype=g.dtype, device=g.device) for u in b]   # (S,) each
+        else:                   # one after another: one output, reused
+            outs = [torch.empty(max(u.shard for u in b), dtype=g.dtype, device=g.device)] * len(b)
+        handles = []
+        for u, out in zip(b, outs):
+            h = self.communicator.reduce_scatter(out[: u.shard], self.flat.unit_view(g, u),
+                                                 async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
+            if not self.overlap_comm:
+                self.own(g, u).copy_(out[: u.shard])
+            handles.append(h)
 
         def finish():
-            torch._foreach_copy_([self.own(self.grads, u) for u in b], list(out.split([u.shard for u in b])))
-        self.track(h, finish, (inp, out) if len(b) > 1 else (out,), i)
+            if self.overlap_comm:
+                torch._foreach_copy_([self.own(g, u) for u in b], [o[: u.shard] for u, o in zip(b, outs)])
+        self.track(HandleGroup(handles), finish, tuple({id(o): o for o in outs}.values()), i)
 
     gathers_params = True  # stage 3 keeps only its shard: no all-gather after the step
 
@@ -76,13 +91,17 @@ class Stage1Engine(Stage0Engine):
         self.all_gather_params()
 
     def _issue_gather(self, i: int) -> None:
+        """All-gather gather bucket ``i`` unit by unit, straight into each unit's flat buffer:
+        no N x S staging and no unpacking. The input is a copy of this rank's shard (S)."""
         flat, b = self.flat, self.gather_buckets[i]
-        fulls = [flat.unit_view(flat.flat, u) for u in b]
-        inp = torch.cat([self.own(flat.flat, u) for u in b])  # (ΣS,) this rank's shards, a copy
-        out = fulls[0] if len(b) == 1 else torch.empty(self.world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
         self.event(ev.GATHER_ISSUED, i)
-        h = self.communicator.all_gather(out, inp, async_op=self.overlap_comm, tag=f"param-bucket-{i}")
-        self._gathers[i] = (h, b, fulls, out, inp)
+        inputs, handles = [], []
+        for u in b:
+            inp = self.own(flat.flat, u).clone()   # (S,) this rank's updated shard, a copy
+            handles.append(self.communicator.all_gather(flat.unit_view(flat.flat, u), inp,
+                                                        async_op=self.overlap_comm, tag=f"param-bucket-{i}"))
+            inputs.append(inp if self.overlap_comm else None)   # in flight: keep its input alive
+        self._gathers[i] = (HandleGroup(handles), inputs)
 
     def all_gather_params(self) -> None:
         """Every rank sends its updated shard of each unit and receives everyone else's.
@@ -92,9 +111,7 @@ class Stage1Engine(Stage0Engine):
         for i in range(len(self.gather_buckets)):
             if i not in self._gathers:
                 self._issue_gather(i)
-        for i, (h, b, fulls, out, inp) in self._gathers.items():
+        for i, (h, _) in self._gathers.items():
             h.wait()
-            if len(b) > 1:
-                unpack_rank_major(out, fulls, self.world_size)
             self.event(ev.GATHER_DONE, i)
         self._gathers, self._to_update = {}, None

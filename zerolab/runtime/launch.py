@@ -89,10 +89,13 @@ def _under_torchrun() -> bool:
 
 
 def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
-           timeout: float = 120, start_method: str = "auto", threads: int | None = None):
+           timeout: float = 120, start_method: str = "auto", threads: int | None = None,
+           collective_timeout: float | None = None):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return results in rank order.
 
-    timeout: seconds for the whole run (also the collectives' timeout).
+    timeout: seconds for the whole run.
+    collective_timeout: torch.distributed's timeout for one collective (``init_process_group``'s
+    ``timeout``); default: ``timeout``. A rank waiting longer for its peers raises.
     start_method: "auto" (fork when safe, else forkserver), "fork", "forkserver" or "spawn".
     threads: intra-op threads per rank (default max(1, cores // world_size)).
     Raises LaunchError if any rank raises, dies, or the timeout passes.
@@ -103,12 +106,16 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if timeout is None or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    collective_timeout = timeout if collective_timeout is None else collective_timeout
+    if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) or \
+            collective_timeout <= 0:
+        raise ValueError(f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}")
     kwargs = dict(kwargs or {})
     if _under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
             warnings.warn(f"zl.launch(world_size={world_size}) under torchrun: torchrun's WORLD_SIZE="
                           f"{os.environ['WORLD_SIZE']} is used", stacklevel=2)
-        return _run_in_torchrun(fn, args, kwargs, backend, timeout)
+        return _run_in_torchrun(fn, args, kwargs, backend, collective_timeout)
 
     backend = choose_backend(world_size, backend)
     threads = threads or max(1, cpu_count() // world_size)
@@ -132,7 +139,8 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=child_main, name=f"zerolab-rank{rank}", daemon=True,
-                args=(payload, rank, world_size, backend, workdir, timeout, threads, child_end, os.getpid()))
+                args=(payload, rank, world_size, backend, workdir, collective_timeout, threads, child_end,
+                      os.getpid()))
             p.start()
             child_end.close()
             procs.append(p)
