@@ -226,6 +226,22 @@ class Communicator:
             self.intra = Communicator(intra, ranks_per_node=ranks_per_node, ledger=self.ledger)
             self.inter = Communicator(inter, ranks_per_node=ranks_per_node, ledger=self.ledger)
 
+    def node_subgroup(self, size: int) -> "Communicator":
+        """The communicator of the ``size`` consecutive ranks that hold this rank, inside its node
+        (ZeRO++'s hpZ partition); built once per process, sharing this ledger. A collective call."""
+        if self.group is not None or size < 1 or self.ranks_per_node % size or self.world_size % size:
+            raise ValueError(f"a node subgroup of {size} ranks needs the world communicator and a size dividing "
+                             f"the ranks per node ({self.ranks_per_node})")
+        if size == self.world_size:
+            return self
+        if size == self.ranks_per_node:
+            return self.intra
+        key = ("sub", size, self.world_size, id(dist.group.WORLD))
+        if key not in _NODE_GROUPS:
+            _NODE_GROUPS[key], _ = dist.new_subgroups_by_enumeration(
+                [[a * size + b for b in range(size)] for a in range(self.world_size // size)])
+        return Communicator(_NODE_GROUPS[key], ranks_per_node=self.ranks_per_node, ledger=self.ledger)
+
     def inter_fraction(self, op: str, src: int = 0) -> float:
         """The share of this rank's algorithm bytes for ``op`` that crosses nodes (module docstring)."""
         n, k, mem = self.world_size, self.ranks_per_node, self.members
