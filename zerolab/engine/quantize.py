@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from zerolab.theory.comm import quantized_bytes
+
 QMAX = {8: 127, 4: 7}
 
 
@@ -41,9 +43,9 @@ def payload_bytes(length: int, bits: int) -> int:
 
 
 def packed_bytes(length: int, bits: int, group: int) -> int:
-    """Bytes ``pack`` makes of one row: payload + 4 bytes per group."""
+    """Bytes ``pack`` makes of one row: payload + 4 bytes per group (the theory's ``quantized_bytes``)."""
     _check(bits, group)
-    return payload_bytes(length, bits) + 4 * n_groups(length, group)
+    return quantized_bytes(length, bits, group)
 
 
 def quantize_rows(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
