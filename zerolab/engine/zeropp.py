@@ -58,12 +58,13 @@ class Then:
 
 
 def a2a_reduce(comm, rows: torch.Tensor, group: int, tag: str) -> torch.Tensor:
-    """rows (P, L): row j goes to the group's rank j, int4-quantized. Returns (L,) fp32: the sum
-    of the rows every rank sent to this one, each dequantized."""
-    packed = pack(rows, 4, group)                                        # (P, B) uint8
+    """rows (P, C, L): rows[j] (C shards of L elements) goes to the group's rank j, each shard int4-quantized
+    on its own. Returns (C, L) fp32: the sum of what every rank sent to this one, dequantized."""
+    p, c, length = rows.shape
+    packed = pack(rows.reshape(p * c, length), 4, group)                # (P*C, B) uint8
     out = torch.empty_like(packed)
     comm.all_to_all(out.view(-1), packed.view(-1), tag=tag)
-    return unpack(out, rows.shape[1], 4, group).sum(dim=0)
+    return unpack(out, length, 4, group).view(p, c, length).sum(dim=0)
 
 
 def qgz_reduce(comm, staging: torch.Tensor, group: int, tag: str = "qgz") -> torch.Tensor:
@@ -73,15 +74,16 @@ def qgz_reduce(comm, staging: torch.Tensor, group: int, tag: str = "qgz") -> tor
     l' holds the rows of ranks m'*K + l' for every node m'; after the intra-node all-to-all and
     its sum, rank (m, l) holds its node's partial sums for the ranks (m', l), one row per node,
     and the inter-node all-to-all (among the ranks with local index l) sends row m' to node m'.
+    Every row is quantized on its own, so no group mixes two ranks' shards.
     One node, or one rank per node: a single all-to-all."""
     n, k = comm.world_size, comm.ranks_per_node
-    rows = staging.view(n, -1)
+    rows = staging.view(n, 1, -1)
     if comm.intra is None:                                              # one level
-        return a2a_reduce(comm, rows, group, f"{tag}-all")
-    m, r = n // k, rows.shape[1]
-    swizzled = rows.view(m, k, r).transpose(0, 1).reshape(k, m * r)     # row l': ranks (m', l') for every m'
-    node_sum = a2a_reduce(comm.intra, swizzled, group, f"{tag}-intra")  # (M * R,) fp32
-    return a2a_reduce(comm.inter, node_sum.view(m, r), group, f"{tag}-inter")
+        return a2a_reduce(comm, rows, group, f"{tag}-all")[0]
+    m, r = n // k, rows.shape[2]
+    swizzled = rows.view(m, k, r).transpose(0, 1)                       # [l', m']: the row of rank m'*K + l'
+    node_sum = a2a_reduce(comm.intra, swizzled, group, f"{tag}-intra")  # (M, R) fp32: this node's sums
+    return a2a_reduce(comm.inter, node_sum.view(m, 1, r), group, f"{tag}-inter")[0]
 
 
 def deepspeed_group(shapes: list, world_size: int) -> int:
@@ -112,11 +114,11 @@ class ZeroPPEngine(Stage3Engine):
         self._fresh = set()   # units whose secondary shard holds this step's weights
         # qgZ: per bucket, the units that go quantized (any matrix) and the group size
         shapes = {id(u): [v.shape for _, v in self._views[i]] for i, u in enumerate(units)}  # params are released
-        self._qgz_units, self._qgz_group = [], []
+        self._qgz_units, self.qgz_groups = [], []
         for b in self.buckets:
             mats = [u for u in b if any(len(s) >= 2 for s in shapes[id(u)])]
             self._qgz_units.append({id(u) for u in mats} if self.qgz else set())
-            self._qgz_group.append(cfg.qgz_group_size or
+            self.qgz_groups.append(cfg.qgz_group_size or
                                    deepspeed_group([s for u in mats for s in shapes[id(u)]], self.world_size) or 1)
 
     # ---------------------------------------------------------------- weights: qwZ and hpZ
@@ -169,7 +171,7 @@ class ZeroPPEngine(Stage3Engine):
                 continue
             x = rows if len(part) == len(cols) else torch.cat([rows[:, a: a + s] for a, s, _ in part], dim=1)
             if k == 0:
-                out = qgz_reduce(self.communicator, x.reshape(-1), self._qgz_group[i], f"grad-bucket-{i}-qgz")
+                out = qgz_reduce(self.communicator, x.reshape(-1), self.qgz_groups[i], f"grad-bucket-{i}-qgz")
             else:   # vectors only: the plain reduce-scatter, as DeepSpeed does for 1-D tensors
                 out = torch.empty(x.shape[1], dtype=x.dtype, device=x.device)
                 self.communicator.reduce_scatter(out, x.reshape(-1), tag=f"grad-bucket-{i}-1d")

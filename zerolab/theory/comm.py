@@ -32,9 +32,10 @@ ZeRO++ flags (stage 3 only; chapter 9), as zerolab's engine runs them:
     secondary partition, so the backward all-gather (16-bit) runs among
     those H ranks only.
   * quantized_gradients (qgZ): the reduce-scatter becomes two int4
-    all-to-alls with one fp32 scale per ``gradient_group`` elements: among
-    the K ranks of a node (the whole tensor, swizzled), then among the M =
-    N/K ranks with the same local index (1/K of it, summed over the node).
+    all-to-alls with one fp32 scale per ``gradient_group`` elements of each
+    rank's shard: among the K ranks of a node (the whole tensor, swizzled),
+    then among the M = N/K ranks with the same local index (1/K of it,
+    summed over the node).
 ``units`` (element counts of the engine's units, default one unit of Ψ)
 makes the padding and the scales exact: each unit is padded to N shards and
 quantized shard by shard, as the engine does.
@@ -149,7 +150,7 @@ def comm_breakdown(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_nod
     if 1 < k < n:
         if n % k:
             raise ValueError(f"quantized_gradients across nodes needs gpus_per_node ({k}) to divide n_gpus ({n})")
-        return ops + [CommOp("all_to_all", "grads-intra", group=k, nbytes=k * quantized_bytes(nodes * r, 4, gradient_group),
+        return ops + [CommOp("all_to_all", "grads-intra", group=k, nbytes=n * quantized_bytes(r, 4, gradient_group),
                              count=g, inter_node=False),
                       CommOp("all_to_all", "grads-inter", group=nodes, nbytes=nodes * quantized_bytes(r, 4, gradient_group),
                              count=g, inter_node=True, inter_share=1.0)]
