@@ -11,7 +11,7 @@ forward gather, a backward gather and the gradient reduction per unit), and
 * ``measure_variants``: per variant, the ledger's intra/inter algorithm bytes
   per step next to ``comm_breakdown``'s split, ``engine.memory()`` next to
   ``zl.estimate(..., hpz_partition_size=H)``, the rank-averaged loss curve and
-  the error of the run's parameter update against exact ZeRO-3's.
+  the error of one SGD update against exact ZeRO-3's.
 * ``time_variants``: median step time on a simulated link per tier, next to
   the time model: compute measured without a link + the alpha-beta time of
   the predicted collectives on the links (no overlap: prefetch is off).
@@ -73,14 +73,14 @@ def _flat(state: dict) -> torch.Tensor:
 
 def measure_variants(preset: str = "micro", steps: int = 30, batch: int = 4, variants=None) -> dict:
     """On every rank: per variant (the first one is the reference, exact ZeRO-3), bytes per step
-    (measured and predicted), memory (measured and estimated), the loss curve, and the update error
-    |Δθ - Δθ_ref| / |Δθ_ref| of the whole run (Δθ: final minus initial fp32 parameters)."""
+    (measured and predicted), memory (measured and estimated), the loss curve (Adam) and the update
+    error of one SGD step from the same weights, |Δθ - Δθ_ref| / |Δθ_ref| (SGD: Δθ = -lr·gradient,
+    so it is the error of the gradient the step used, through the quantized forward and reduction)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     out, ref = {}, None
     for name, flags in (variants or VARIANTS).items():
         model = TinyGPT.preset(preset, seed=1)
         e = engine_api.initialize(model, variant_config(flags, int_k()))
-        before = _flat(e.full_state_dict())
         e.comm.reset()
         losses = []
         for s in range(steps):
@@ -92,6 +92,12 @@ def measure_variants(preset: str = "micro", steps: int = 30, batch: int = 4, var
                    predicted=split_intra_inter(predicted_ops(e)), losses=losses, memory=e.memory().as_dict(),
                    estimate=estimate(e.flat.padded, n, 3, hpz_partition_size=h).as_dict(),
                    psi=e.flat.numel, ranks_per_node=e.communicator.ranks_per_node)
+        e.close()
+        model = TinyGPT.preset(preset, seed=1)
+        cfg = {**variant_config(flags, int_k()), "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+        e = engine_api.initialize(model, cfg)
+        before = _flat(e.full_state_dict())
+        _step(e, model, 0, n, rank, batch)
         update = _flat(e.full_state_dict()) - before
         ref = update if ref is None else ref
         row["update_error"] = float((update - ref).norm() / ref.norm())
