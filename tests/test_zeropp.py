@@ -245,3 +245,25 @@ def test_group_sizes_and_tier_links_are_read():
                                               "link": {"intra": "nvlink3", "inter": "ethernet-10g"}}})
     assert (c.qwz_group_size, c.qgz_group_size, c.link) == (512, 64, {"intra": "nvlink3", "inter": "ethernet-10g"})
     assert zl.Config.from_deepspeed({}).qwz_group_size == 8000
+
+
+# ---------------------------------------------------------------- 8 ranks as 2 x 4 (out of make test)
+@pytest.mark.skipif(os.environ.get("ZEROLAB_LONG") != "1", reason="8 ranks: set ZEROLAB_LONG=1 (kept out of make test)")
+def test_eight_ranks_as_two_nodes_of_four():
+    variants = {**FLAGS, "hpZ-2": {"zero_hpz_partition_size": 2}, "hpZ-4": {"zero_hpz_partition_size": 4}}
+    variants.pop("hpZ")
+    variants["all"] = {**variants["all"], "zero_hpz_partition_size": 4}
+
+    def worker():
+        out = {}
+        for name, flags in variants.items():
+            e, losses = _train(flags, 3)
+            out[name] = (e.comm.total_bytes(scope="inter"), e.comm.total_bytes(scope="intra"),
+                         _predicted(e, flags, 3), losses[-1])
+            e.close()
+        return out
+    for res in zl.launch(worker, 8, ranks_per_node=4, timeout=900):
+        for name, (inter, intra, predicted, _) in res.items():
+            assert (inter, intra) == (predicted["inter"], predicted["intra"]), name
+        assert res["hpZ-4"][3] == res["zero3"][3] == res["hpZ-2"][3]
+        assert res["zero3"][0] / res["all"][0] > 3.5

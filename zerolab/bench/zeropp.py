@@ -1,6 +1,6 @@
 """``python -m zerolab.bench.zeropp``: ZeRO++ against ZeRO-3 on simulated nodes (chapter 9, README).
 
-Four CPU ranks as 2 nodes x 2 (``zl.launch(..., ranks_per_node=2)``), TinyGPT,
+Four CPU ranks as 2 nodes x 2 (``launch(..., ranks_per_node=2)``), TinyGPT,
 bf16, the measurement settings of ``zerolab.book.zeropp`` (every micro-step
 gathers each unit for forward and backward and reduces its gradients once):
 
@@ -26,21 +26,22 @@ import json
 import os
 import traceback
 
-import zerolab as zl
 from zerolab.book import zeropp as zp
+from zerolab.runtime.launch import launch
+from zerolab.theory.network import Link
 
 
 def links(inter_gbps: float, latency_us: float = 200) -> dict:
-    return {"intra": "demo", "inter": zl.Link(f"inter-{inter_gbps:g}gbps", inter_gbps * 1e9 / 8, latency_us * 1e-6)}
+    return {"intra": "demo", "inter": Link(f"inter-{inter_gbps:g}gbps", inter_gbps * 1e9 / 8, latency_us * 1e-6)}
 
 
 def bytes_and_accuracy(preset: str, steps: int, timeout: float = 3600) -> dict:
-    return zl.launch(zp.measure_variants, 4, kwargs=dict(preset=preset, steps=steps), ranks_per_node=2,
+    return launch(zp.measure_variants, 4, kwargs=dict(preset=preset, steps=steps), ranks_per_node=2,
                      timeout=timeout)[0]
 
 
 def speed(preset: str, steps: int, inter_gbps: float, timeout: float = 1800) -> dict:
-    return zl.launch(zp.time_variants, 4, kwargs=dict(preset=preset, steps=steps, links=links(inter_gbps)),
+    return launch(zp.time_variants, 4, kwargs=dict(preset=preset, steps=steps, links=links(inter_gbps)),
                      ranks_per_node=2, timeout=timeout)[0]
 
 
@@ -93,7 +94,7 @@ def deepspeed_probe(flags=None, timeout: float = 300) -> str:
         except Exception:
             return "\n".join(traceback.format_exc().strip().splitlines()[-12:])
     try:
-        return zl.launch(run, 4, ranks_per_node=2, timeout=timeout)[0]
+        return launch(run, 4, ranks_per_node=2, timeout=timeout)[0]
     except Exception as err:  # noqa: BLE001 - what happened is the result
         return f"{type(err).__name__}: {err}"
 
