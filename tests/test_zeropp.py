@@ -267,3 +267,23 @@ def test_eight_ranks_as_two_nodes_of_four():
             assert (inter, intra) == (predicted["inter"], predicted["intra"]), name
         assert res["hpZ-4"][3] == res["zero3"][3] == res["hpZ-2"][3]
         assert res["zero3"][0] / res["all"][0] > 3.5
+
+
+def _gathered_worker():
+    model = TinyGPT.preset("micro", seed=1)
+    e = zl.initialize(model, {"optimizer": {"type": "Adam"}, "bf16": {"enabled": True},
+                              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                    "zero_quantized_weights": True}})
+    before = e.full_state_dict()
+    with zl.gathered_parameters(e, model.blocks[0], modifier_rank=0):
+        read = model.blocks[0].attn.q.weight.detach().float().clone()
+    after = e.full_state_dict()
+    exact = before["blocks.0.attn.q.weight"].bfloat16().float()
+    return torch.equal(read, exact), all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_gathered_parameters_under_qwz_are_exact_and_write_back_nothing():
+    """Planted: with int8 gathers inside gathered_parameters, the read differs and modifier_rank writes
+    the rounded weights back into every shard."""
+    for read_exact, unchanged in zl.launch(_gathered_worker, 2):
+        assert read_exact and unchanged

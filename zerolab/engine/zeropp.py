@@ -33,6 +33,8 @@ group is coarser than DeepSpeed's. Its all-to-alls run synchronously (no overlap
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from zerolab.engine import events as ev
@@ -104,6 +106,7 @@ class ZeroPPEngine(Stage3Engine):
         z = cfg.zero
         self.qwz, self.qgz, self.hpz = z.zero_quantized_weights, z.zero_quantized_gradients, z.zero_hpz_partition_size
         self.qwz_group = cfg.qwz_group_size
+        self._exact = False   # inside gathered(): 16-bit gathers, so reads and edits see the true weights
         super().__init__(model, cfg, communicator)
         c, units = self.communicator, self.flat.units
         self.hpz_comm = c.node_subgroup(self.hpz) if self.hpz > 1 else None
@@ -127,7 +130,7 @@ class ZeroPPEngine(Stage3Engine):
         if self.hpz_comm is not None and self._in_backward and i in self._fresh:   # hpZ: inside the node
             return self.hpz_comm.all_gather(buf, self._secondary[i], async_op=True, tag=f"unit-{i}-hpz")
         shard = self.flat.shard_view(self.param_shard, u)
-        if not self.qwz:
+        if not self.qwz or self._exact:
             return Then(super().fetch_unit(i), lambda: self._keep_secondary(i))
         packed = pack(shard.view(1, -1), 8, self.qwz_group)                         # (1, B) uint8
         out = torch.empty(self.world_size * packed.numel(), dtype=torch.uint8, device=buf.device)
@@ -138,6 +141,18 @@ class ZeroPPEngine(Stage3Engine):
             buf.copy_(rows.view(-1))
             self._keep_secondary(i)
         return Then(h, finish)
+
+    @contextmanager
+    def gathered(self, params, modifier_rank=None):
+        """Stage 3's ``zl.gathered_parameters``, with exact 16-bit all-gathers: an edit written back
+        into the shards (``modifier_rank``) must start from the true weights, not int8 ones."""
+        self._exact = True
+        try:
+            with super().gathered(params, modifier_rank):
+                self._exact = False
+                yield
+        finally:
+            self._exact = False
 
     def _keep_secondary(self, i: int) -> None:
         """After a forward gather: keep this rank's 1/H slice of the unit for the backward gather."""
