@@ -287,3 +287,30 @@ def test_gathered_parameters_under_qwz_are_exact_and_write_back_nothing():
     the rounded weights back into every shard."""
     for read_exact, unchanged in zl.launch(_gathered_worker, 2):
         assert read_exact and unchanged
+
+
+def _accumulation_worker(planted):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    shards = {}
+    for name, flags in (("zero3", {}), ("qgZ", {"zero_quantized_gradients": True})):
+        model = TinyGPT.preset("micro", seed=1)
+        e = zl.initialize(model, {"optimizer": {"type": "Adam"}, "bf16": {"enabled": True},
+                                  "gradient_accumulation_steps": 2,
+                                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **flags}})
+        for micro in range(2):
+            if planted and flags and micro == 1:   # planted: the second micro-batch overwrites the shard
+                e.micro_steps = 0
+            x, y = synthetic_batch(model, 4 * n, seed=3, step=micro, rank=rank, world_size=n)
+            e.backward(loss_fn(e(x), y))
+            if micro == 0:
+                e.step()
+        shards[name] = e.grad_shard.float().clone()
+        e.close()
+    return float((shards["qgZ"] - shards["zero3"]).norm() / shards["zero3"].norm())
+
+
+def test_qgz_accumulates_micro_batches():
+    errors = zl.launch(_accumulation_worker, 4, args=(False,), ranks_per_node=2)
+    assert max(errors) < 0.25, errors             # int4 noise on the sum of two micro-batches (about 0.1)
+    planted = zl.launch(_accumulation_worker, 4, args=(True,), ranks_per_node=2)
+    assert min(planted) > 0.45, planted           # one micro-batch lost (about 0.7)
