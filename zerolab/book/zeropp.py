@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import zerolab.engine as engine_api
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
-from zerolab.runtime.comm import node_links
+from zerolab.runtime.nodes import node_links
 from zerolab.theory.comm import comm_breakdown, split_intra_inter
 from zerolab.theory.memory import estimate
 

@@ -8,24 +8,10 @@ a model of the wire, not a capture of it: gloo, for one, emulates
 reduce-scatter with an all-reduce and moves about twice as much. Each record
 also keeps the seconds from issue to completion.
 
-Nodes (chapter 9). Ranks ``m*K .. m*K+K-1`` form node ``m`` (K =
-``ranks_per_node``: ``zl.launch(..., ranks_per_node=K)`` or torchrun's
-``LOCAL_WORLD_SIZE``). The world communicator builds, once per process, the
-intra-node group (its node's K ranks, ``.intra``) and the inter-node group
-(the ranks with its local index on every node, ``.inter``); all three share
-one ledger. Each record splits its algorithm bytes into those that stay in a
-node and those that cross nodes (``inter_bytes``):
-
-* ring collectives (all-reduce, reduce-scatter, all-gather): a ring over the
-  group's ranks in order has one link per rank and every link carries the
-  same bytes, so the fraction that crosses is (links joining two nodes) /
-  (links). Over all N ranks with M nodes that is M/N = 1/K; inside a node 0;
-  over the inter-node group 1.
-* all-to-all: each rank sends one equal chunk to every other rank, so the
-  fraction is (peers on other nodes) / (peers).
-* broadcast (a pipelined chain): the rank's own outgoing link crosses or not.
-
-``ledger.total_bytes(scope="inter")`` / ``"intra"`` sums them.
+Nodes (chapter 9, ``runtime/nodes.py``): with ``ranks_per_node`` K the world
+communicator also has ``.intra`` and ``.inter`` communicators (same ledger),
+and each record splits its bytes into those that stay in a node and those
+that cross (``inter_bytes``); ``ledger.total_bytes(scope="inter")`` sums them.
 
 A *simulated link* (``link="demo"``, ``"infiniband-200g"``, a ``Link``, or
 one per tier ``{"intra": ..., "inter": ...}``) makes each collective take at
@@ -46,9 +32,10 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from zerolab.runtime import nodes
 from zerolab.theory.network import Link, get_link, ring_bytes
 
-__all__ = ["Communicator", "CommLedger", "CommRecord", "Handle", "node_links"]
+__all__ = ["Communicator", "CommLedger", "CommRecord", "Handle"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renamed the tensor forms; older releases only have the old names
@@ -122,17 +109,6 @@ class CommLedger:
         return "\n".join(lines)
 
 
-def node_links(link) -> dict | None:
-    """``None``, a ``Link`` or preset name (both tiers), or ``{"intra": ..., "inter": ...}``
-    -> ``{"intra": Link, "inter": Link}`` (or None)."""
-    if isinstance(link, dict):
-        if set(link) != {"intra", "inter"}:
-            raise ValueError(f"a per-tier link needs exactly the keys 'intra' and 'inter', got {sorted(link)}")
-        return {k: get_link(v) for k, v in link.items()}
-    one = get_link(link)
-    return None if one is None else {"intra": one, "inter": one}
-
-
 class Handle:
     """An issued collective. ``wait()`` blocks until it is done (and, on a
     simulated link, until the link would have delivered it); idempotent."""
@@ -174,20 +150,6 @@ class Handle:
         self.done = True
 
 
-_NODE_GROUPS: dict = {}   # (world size, ranks per node, world group) -> (intra group, inter group)
-
-
-def _node_groups(n: int, k: int):
-    """The intra- and inter-node process groups, created once per process (a collective call)."""
-    key = (n, k, id(dist.group.WORLD))
-    if key not in _NODE_GROUPS:
-        m = n // k
-        intra, _ = dist.new_subgroups_by_enumeration([[a * k + b for b in range(k)] for a in range(m)])
-        inter, _ = dist.new_subgroups_by_enumeration([[a * k + b for a in range(m)] for b in range(k)])
-        _NODE_GROUPS[key] = (intra, inter)
-    return _NODE_GROUPS[key]
-
-
 class Communicator:
     """Collectives over one process group, recorded in ``self.ledger``; ``.intra`` / ``.inter``:
     the communicators of this rank's node and of its peers on the other nodes (None on one node)."""
@@ -218,17 +180,17 @@ class Communicator:
         # list form works on views of the input and is faster (15 MB, 4 ranks: 57 vs 75 ms)
         self._rs_list = not local and dist.get_backend(group) == "gloo"
         self.ledger = ledger if ledger is not None else CommLedger(link=link if isinstance(link, dict) else get_link(link))
-        self._links = node_links(self.ledger.link)
+        self._links = nodes.node_links(self.ledger.link)
         self.spans_nodes = len({g // ranks_per_node for g in self.members}) > 1
         self.intra = self.inter = None
         if group is None and 1 < ranks_per_node < world:
-            intra, inter = _node_groups(world, ranks_per_node)
+            intra, inter = nodes.node_groups(world, ranks_per_node)
             self.intra = Communicator(intra, ranks_per_node=ranks_per_node, ledger=self.ledger)
             self.inter = Communicator(inter, ranks_per_node=ranks_per_node, ledger=self.ledger)
 
     def node_subgroup(self, size: int) -> "Communicator":
         """The communicator of the ``size`` consecutive ranks that hold this rank, inside its node
-        (ZeRO++'s hpZ partition); built once per process, sharing this ledger. A collective call."""
+        (ZeRO++'s hpZ partition); its group is built once per process. A collective call."""
         if self.group is not None or size < 1 or self.ranks_per_node % size or self.world_size % size:
             raise ValueError(f"a node subgroup of {size} ranks needs the world communicator and a size dividing "
                              f"the ranks per node ({self.ranks_per_node})")
@@ -236,23 +198,12 @@ class Communicator:
             return self
         if size == self.ranks_per_node:
             return self.intra
-        key = ("sub", size, self.world_size, id(dist.group.WORLD))
-        if key not in _NODE_GROUPS:
-            _NODE_GROUPS[key], _ = dist.new_subgroups_by_enumeration(
-                [[a * size + b for b in range(size)] for a in range(self.world_size // size)])
-        return Communicator(_NODE_GROUPS[key], ranks_per_node=self.ranks_per_node, ledger=self.ledger)
+        return Communicator(nodes.consecutive_group(self.world_size, size), ranks_per_node=self.ranks_per_node,
+                            ledger=self.ledger)
 
     def inter_fraction(self, op: str, src: int = 0) -> float:
-        """The share of this rank's algorithm bytes for ``op`` that crosses nodes (module docstring)."""
-        n, k, mem = self.world_size, self.ranks_per_node, self.members
-        if n == 1 or not self.spans_nodes:
-            return 0.0
-        node = [g // k for g in mem]
-        if op == "all_to_all":
-            return sum(1 for x in node if x != node[self.rank]) / (n - 1)
-        if op == "broadcast":
-            return float(node[self.rank] != node[(self.rank + 1) % n])
-        return sum(1 for i in range(n) if node[i] != node[(i + 1) % n]) / n
+        """The share of this rank's algorithm bytes for ``op`` that crosses nodes (``nodes.inter_fraction``)."""
+        return nodes.inter_fraction(op, self.members, self.rank, self.ranks_per_node)
 
     # -- one place that times, simulates and records ---------------------------------
     def _run(self, op, tensor_for_size, call, async_op, tag, src=0, after=None):
