@@ -186,7 +186,7 @@ def test_ignored_keys_and_notes():
 
 def test_zeropp_and_zerolab_sections():
     c = parse({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
-                                     "zero_hpz_partition_size": 8},
+                                     "zero_hpz_partition_size": 8}, "bf16": {"enabled": True},
                "zerolab": {"debug": True, "link": "demo", "trace": True},
                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}}})
     assert c.zero.zeropp == ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")

@@ -185,26 +185,49 @@ def test_comm_volume_is_sum_of_ring_bytes():
 
 def test_zeropp_flags():
     psi, n, gpn = 64_000_000, 64, 8
-    m, r = 2 * psi, 63 / 64
+    m, r, nodes = 2 * psi, 63 / 64, n // gpn
     ops = {o.what: o for o in comm_breakdown(psi, n, 3, gpus_per_node=gpn)}
     assert ops["params-forward"].bytes == m * r and ops["grads"].bytes == m * r
+    s = psi // n                                                # a rank's shard (no padding here)
+    w_scales, g_scales = 4 * -(-s // 8000), 4 * -(-s // 4096)  # fp32 scale per group of a shard
     qw = comm_volume(psi, n, 3, quantized_weights=True)
     qg = comm_volume(psi, n, 3, quantized_gradients=True)
-    assert comm_volume(psi, n, 3) - qw == m * r / 2            # forward all-gather halved
-    assert comm_volume(psi, n, 3) - qg == m * r * 3 / 4        # reduce-scatter quartered
+    # qwZ: both gathers (forward and backward) send int8 + scales instead of 16-bit
+    assert comm_volume(psi, n, 3) - qw == 2 * (m * r - (n - 1) * (s + w_scales))
+    # qgZ on one node: one int4 all-to-all (+ scales) instead of the 16-bit reduce-scatter
+    assert comm_volume(psi, n, 3) - qg == m * r - (n - 1) * (s // 2 + g_scales)
     allpp = comm_breakdown(psi, n, 3, gpus_per_node=gpn, quantized_weights=True,
                            quantized_gradients=True, hpz=True)
     split = split_intra_inter(allpp)
-    assert split["inter"] == 0.75 * m * r                      # ZeRO++: 3M -> 0.75M cross-node
-    assert split["intra"] == m * 7 / 8                         # backward all-gather inside the node of 8
+    fwd = (n - 1) * (s + w_scales) * nodes / n                  # int8 forward gather: 1/K of the ring crosses
+    inter_a2a = (nodes - 1) * (s // 2 + g_scales)               # int4 all-to-all among the 8 nodes: all crosses
+    assert split["inter"] == round(fwd) + inter_a2a
     plain = split_intra_inter(comm_breakdown(psi, n, 3, gpus_per_node=gpn))
-    assert plain == {"intra": 0, "inter": 3 * m * r}
+    assert plain == {"intra": 3 * m * r * 7 / 8, "inter": 3 * m * r / 8}   # a ring: 8 of its 64 links cross
+    # per node (x K ranks): the paper's 3M -> about 0.75M (0.5M + 0 + 0.25M, plus the scales)
+    assert plain["inter"] * gpn == 3 * m * r
+    assert 0.7 < split["inter"] * gpn / m < 0.75 * 1.01 and plain["inter"] / split["inter"] > 4
     one_node = split_intra_inter(comm_breakdown(psi, 8, 3, gpus_per_node=8))
     assert one_node["inter"] == 0
     with pytest.raises(ValueError, match="stage 3"):
         comm_volume(psi, n, 2, quantized_weights=True)
     with pytest.raises(ValueError, match="gpus_per_node"):
         comm_volume(psi, n, 3, hpz=True)
+    with pytest.raises(ValueError, match="units"):
+        comm_volume(psi, n, 3, units=[psi - 1])
+    with pytest.raises(ValueError, match="hpz"):
+        comm_volume(psi, n, 3, gpus_per_node=8, hpz=3)
+
+
+def test_estimate_hpz_adds_secondary_partition():
+    psi, n = 13e9, 64
+    base, hpz = zl.estimate(psi, n, 3), zl.estimate(psi, n, 3, hpz_partition_size=8)
+    assert hpz.hpz == 2 * psi / 8 and hpz.params == base.params + hpz.hpz      # 2Ψ/H on top of 2Ψ/N
+    assert zl.estimate(psi, n, 3, precision="fp32", hpz_partition_size=8).hpz == 4 * psi / 8
+    with pytest.raises(ValueError, match="stage 3"):
+        zl.estimate(psi, n, 2, hpz_partition_size=8)
+    with pytest.raises(ValueError, match="dividing"):
+        zl.estimate(psi, n, 3, hpz_partition_size=3)
 
 
 def test_step_comm_time_alpha_beta():

@@ -1,8 +1,8 @@
 """Blockwise int8 / int4 quantization of a flat tensor: ZeRO++'s qwZ and qgZ, measured (chapter 9).
 
-zerolab's engine does not implement ZeRO++; this module lets the book measure
-what its quantized collectives would cost in accuracy and bytes on real
-tensors. Pure torch, single process.
+The kernel is the engine's (``zerolab.engine.quantize``, which ZeRO++'s
+collectives use); this module wraps it for one flat tensor so the book can
+measure bytes and errors on real tensors, single process.
 
 Symmetric block quantization: the flat tensor is cut into blocks of ``block``
 elements; each block gets one fp32 scale s = max|x| / qmax (qmax = 127 for
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-QMAX = {8: 127, 4: 7}
+from zerolab.engine.quantize import QMAX, dequantize_rows, pack_int4, quantize_rows, unpack_int4
 
 
 @dataclass
@@ -52,34 +52,16 @@ def _check(x: torch.Tensor, bits: int, block: int):
 def quantize(x: torch.Tensor, bits: int = 8, block: int = 2048) -> Quantized:
     """Symmetric blockwise quantization of ``x`` (flattened) to ``bits`` (8 or 4)."""
     _check(x, bits, block)
-    flat = x.detach().reshape(-1).float()                   # (numel,)
-    numel = flat.numel()
-    n_blocks = max(1, -(-numel // block))
-    padded = torch.zeros(n_blocks * block)
-    padded[:numel] = flat
-    blocks = padded.view(n_blocks, block)                   # (n_blocks, block)
-    qmax = QMAX[bits]
-    scales = blocks.abs().amax(dim=1) / qmax                # (n_blocks,) fp32
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8).reshape(-1)[:numel]
-    if bits == 4:                                           # two values per byte, offset to 0..14
-        u = (q + 8).to(torch.uint8)
-        if numel % 2:
-            u = torch.cat([u, torch.full((1,), 8, dtype=torch.uint8)])
-        q = u[0::2] | (u[1::2] << 4)                        # (ceil(numel/2),) uint8
-    return Quantized(q, scales, numel, bits, block, x.dtype)
+    flat = x.detach().reshape(1, -1)                        # (1, numel)
+    q, scales = quantize_rows(flat, bits, block)            # int8 (1, numel), fp32 (1, n_blocks)
+    data = q[0] if bits == 8 else pack_int4(q)[0]           # (numel,) int8 or (ceil(numel/2),) uint8
+    return Quantized(data, scales[0], flat.shape[1], bits, block, x.dtype)
 
 
 def dequantize(qt: Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The flat tensor ``qt`` stands for, in ``dtype`` (default: the original dtype)."""
-    q = qt.data
-    if qt.bits == 4:
-        lo, hi = (q & 0x0F).to(torch.int16) - 8, (q >> 4).to(torch.int16) - 8
-        q = torch.stack([lo, hi], dim=1).reshape(-1)[:qt.numel]
-    n_blocks = qt.scales.numel()
-    vals = torch.zeros(n_blocks * qt.block)
-    vals[:qt.numel] = q.float()
-    return (vals.view(n_blocks, qt.block) * qt.scales[:, None]).reshape(-1)[:qt.numel].to(dtype or qt.dtype)
+    q = qt.data.view(1, -1) if qt.bits == 8 else unpack_int4(qt.data.view(1, -1), qt.numel)
+    return dequantize_rows(q, qt.scales.view(1, -1), qt.block, dtype or qt.dtype)[0]
 
 
 def roundtrip(x: torch.Tensor, bits: int = 8, block: int = 2048) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from zerolab.config.optimizer import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
 from zerolab.config.precision import FP16Config, check_precision, read_bf16, read_fp16, read_grad_accum_dtype
 from zerolab.config.schema import ConfigError, is_auto, load_json, read_bool, read_float, read_int, section
-from zerolab.config.zero import ZeroConfig, read_zero
+from zerolab.config.zero import ZEROPP_KEYS, ZeroConfig, check_zeropp, read_zero
 
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "data_types",
@@ -36,7 +36,7 @@ TOP_IGNORED = ("steps_per_print", "wall_clock_breakdown", "flops_profiler", "act
                "seq_parallel_communication_data_type", "disable_allgather", "train_batch_size_per_gpu",
                "gradient_accumulation_dtype", "eigenvalue", "progressive_layer_drop", "nebula", "sparse_attention",
                "quantize_training", "weight_quantization", "hybrid_engine", "timers", "torch_autocast")
-ZEROLAB_KEYS = ("debug", "link", "trace")   # zerolab's own section
+ZEROLAB_KEYS = ("debug", "link", "trace") + tuple(ZEROPP_KEYS)   # zerolab's own section
 
 
 @dataclass
@@ -52,8 +52,10 @@ class Config:
     grad_accum_dtype: str | None = None     # "fp32" | "fp16" | "bf16" ("data_types": {"grad_accum_dtype": ...})
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     debug: bool = False                     # {"zerolab": {"debug": ..., "link": ..., "trace": ...}}
-    link: str | None = None                 # zerolab.theory.network.LINKS preset name or None
+    link: str | dict | None = None          # LINKS preset name, {"intra": name, "inter": name}, or None
     trace: bool = False
+    qwz_group_size: int = ZEROPP_KEYS["qwz_group_size"]   # ZeRO++ quantization groups (config/zero.py)
+    qgz_group_size: int = ZEROPP_KEYS["qgz_group_size"]
     ignored: tuple[str, ...] = ()           # DeepSpeed keys accepted but not implemented
     notes: tuple[str, ...] = ()
     gas_given: bool = field(default=True, repr=False, compare=False)   # was gradient_accumulation_steps set?
@@ -99,8 +101,11 @@ class Config:
             fp16=fp16, bf16_enabled=bf16, grad_accum_dtype=read_grad_accum_dtype(top.get("data_types"), ignored),
             zero=read_zero(top.get("zero_optimization"), ignored, notes),
             debug=read_bool(zl, "debug", "zerolab", False), link=read_link(zl), trace=read_bool(zl, "trace", "zerolab", False),
+            **{k: read_int(zl, k, "zerolab", v, minimum=0 if k == "qgz_group_size" else 1)
+               for k, v in ZEROPP_KEYS.items()},
             ignored=tuple(ignored), notes=tuple(notes),
             gas_given=read_int(top, "gradient_accumulation_steps", "", None, minimum=1) is not None)
+        check_zeropp(cfg.zero, cfg.precision)
         mbs, gas, tbs = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size
         if tbs is not None and mbs is not None and tbs % (mbs * (gas if cfg.gas_given else 1)):
             raise ConfigError(f"train_batch_size ({tbs}) must equal train_micro_batch_size_per_gpu ({mbs}) x "
@@ -146,9 +151,16 @@ def auto_keys(raw, path: str = "") -> list[str]:
     return out
 
 
-def read_link(zl: dict) -> str | None:
+def read_link(zl: dict):
+    """A preset name, null, or one preset per tier: {"intra": "nvlink3", "inter": "ethernet-10g"}."""
     from zerolab.theory.network import LINKS
     link = zl.get("link")
-    if link is not None and link not in LINKS:
-        raise ConfigError(f"zerolab.link: {link!r} is not a preset; expected one of {tuple(sorted(LINKS))} or null")
-    return link
+    tiers = link if isinstance(link, dict) else {"": link}
+    if isinstance(link, dict) and set(link) != {"intra", "inter"}:
+        raise ConfigError(f"zerolab.link: a per-tier link needs exactly the keys 'intra' and 'inter', got {sorted(link)}")
+    for tier, name in tiers.items():
+        if (name is not None or tier) and name not in LINKS:
+            where = f"zerolab.link.{tier}" if tier else "zerolab.link"
+            raise ConfigError(f"{where}: {name!r} is not a preset; expected one of {tuple(sorted(LINKS))}"
+                              + ("" if tier else " or null"))
+    return dict(link) if isinstance(link, dict) else link

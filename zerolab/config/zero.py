@@ -3,7 +3,10 @@
 Key table, defaults (the dataclasses) and reader side by side. The rules that
 tie keys together are checked here, once: offloading the optimizer needs a
 partitioned optimizer (stage >= 1), offloading parameters needs partitioned
-parameters (stage 3), ZeRO++ needs stage 3.
+parameters (stage 3), ZeRO++ needs stage 3, hpZ's partition must fit in a
+node, qgZ needs 16-bit gradients (``check_zeropp``, once the world is known).
+zerolab's own ZeRO++ knobs (the quantization group sizes) live in the
+``"zerolab"`` section: ``ZEROPP_KEYS``.
 
 ``reduce_bucket_size: 0`` (Hugging Face's ZeRO-3 test configs write it; DeepSpeed
 0.19.8's own config class rejects it) means "each gradient on its own": here the
@@ -53,6 +56,12 @@ NO_EFFECT = (("zero_optimization.contiguous_gradients", True,
               "parameters are offloaded unit by unit without a pinned staging buffer"),
              ("zero_optimization.offload_param.buffer_size", 100_000_000,
               "each unit is read whole; buffer_count alone bounds the read-ahead"))
+
+
+# {"zerolab": {"qwz_group_size": 8000, "qgz_group_size": 0}}: elements per quantization group of
+# qwZ's weight all-gathers (DeepSpeed's quantizer targets about 8,000) and of qgZ's all-to-alls
+# (0: DeepSpeed's rule, one group per row of the bucket's smallest-row matrix, engine/zeropp.py)
+ZEROPP_KEYS = {"qwz_group_size": 8000, "qgz_group_size": 0}
 
 
 @dataclass
@@ -170,3 +179,25 @@ def check_zero(z: ZeroConfig) -> None:
                           f"parameters, so only it can offload them; use stage 3 or offload_optimizer")
     if z.zeropp and z.stage < 3:
         raise ConfigError(f"{p}: ZeRO++ keys {', '.join(z.zeropp)} need stage 3 (got stage {z.stage})")
+
+
+def check_zeropp(z: ZeroConfig, precision: str | None = None, world_size: int | None = None,
+                 ranks_per_node: int | None = None) -> None:
+    """ZeRO++'s rules that need the precision and the topology (``zl.initialize`` knows both)."""
+    p = "zero_optimization"
+    check_zero(z)
+    if not z.zeropp:
+        return
+    if z.offload_optimizer.device != "none" or z.offload_param.device != "none":
+        raise ConfigError(f"{p}: ZeRO++ ({', '.join(z.zeropp)}) with offload_optimizer/offload_param is not "
+                          f"implemented by zerolab; turn one of them off")
+    if z.zero_quantized_gradients and precision == "fp32":
+        raise ConfigError(f"{p}.zero_quantized_gradients needs 16-bit training (bf16 or fp16 enabled): qgZ "
+                          f"quantizes the 16-bit gradient all-to-all; this config trains in fp32")
+    h = z.zero_hpz_partition_size
+    if h > 1 and world_size is not None and ranks_per_node is not None:
+        if ranks_per_node % h or world_size % h:
+            raise ConfigError(f"{p}.zero_hpz_partition_size: {h} must divide the ranks per node "
+                              f"({ranks_per_node}) and the world size ({world_size}): the secondary partition "
+                              f"is split over {h} ranks of one node; allowed: "
+                              f"{[d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]}")

@@ -5,7 +5,8 @@ shares), ``precision`` (dtypes and the fp16 loss scaler), ``optim`` (the
 optimizer over a flat shard, clipping, schedules), ``base`` (the training
 loop), then ``stage0`` (DDP), ``stage1`` (+ optimizer-state partitioning) and
 ``stage2`` (+ gradient partitioning) and ``stage3`` (+ parameter partitioning,
-with ``prefetch``'s unit trace).
+with ``prefetch``'s unit trace); ``zeropp`` (ZeRO-3 + qwZ, hpZ, qgZ, chapter 9)
+with ``quantize``'s int8/int4 kernel.
 """
 from __future__ import annotations
 
@@ -13,17 +14,19 @@ import dataclasses
 
 from torch import nn
 
-from zerolab.config import Config, ConfigError
+from zerolab.config import Config
 from zerolab.config.optimizer import check_optimizer_params
-from zerolab.config.zero import check_zero
+from zerolab.config.zero import check_zeropp
 from zerolab.engine.base import Engine, make_communicator
 from zerolab.engine.gathered import gathered_parameters
 from zerolab.engine.stage0 import Stage0Engine
 from zerolab.engine.stage1 import Stage1Engine
 from zerolab.engine.stage2 import Stage2Engine
 from zerolab.engine.stage3 import Stage3Engine
+from zerolab.engine.zeropp import ZeroPPEngine
 
-__all__ = ["initialize", "gathered_parameters", "Engine", "Stage0Engine", "Stage1Engine", "Stage2Engine", "Stage3Engine"]
+__all__ = ["initialize", "gathered_parameters", "Engine", "Stage0Engine", "Stage1Engine", "Stage2Engine", "Stage3Engine",
+           "ZeroPPEngine"]
 
 ENGINES = {0: Stage0Engine, 1: Stage1Engine, 2: Stage2Engine, 3: Stage3Engine}
 
@@ -42,7 +45,8 @@ def initialize(model: nn.Module, config, link=None) -> Engine:
     communicator = make_communicator(cfg.link)
     cfg = cfg.with_world_size(communicator.world_size)
     _check_supported(model, cfg)
-    cls = ENGINES[cfg.zero.stage]
+    check_zeropp(cfg.zero, cfg.precision, communicator.world_size, communicator.ranks_per_node)
+    cls = ZeroPPEngine if cfg.zero.zeropp else ENGINES[cfg.zero.stage]
     if cfg.zero.offload_optimizer.device != "none" or cfg.zero.offload_param.device != "none":
         from zerolab.engine.offloaded import offload_engine  # chapter 7: ZeRO-Offload / ZeRO-Infinity
         cls = offload_engine(cfg.zero)
@@ -96,10 +100,8 @@ class ModelSnapshot:
 
 def _check_supported(model: nn.Module, cfg) -> None:
     z = cfg.zero
-    check_zero(z)   # a Config built in code gets the config's rules too (JSON is checked when read)
+    check_zeropp(z, cfg.precision)   # a Config built in code gets the config's rules too (JSON is checked when read)
     check_optimizer_params(cfg.optimizer.type, cfg.optimizer.params)
-    if z.zeropp:
-        raise ConfigError(f"zero_optimization: ZeRO++ ({', '.join(z.zeropp)}) is not implemented yet")
     params = list(model.parameters())
     if any(getattr(p, "_zerolab_engine", False) for p in params):
         raise ValueError("this model is already wrapped by a zerolab engine; build a fresh model")

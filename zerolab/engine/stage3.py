@@ -121,8 +121,12 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         self.live_elements += u.padded
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
         self.event(ev.GATHER_ISSUED, i)
-        self._inflight[i] = self.communicator.all_gather(buf, self.flat.shard_view(self.param_shard, u),
-                                                         async_op=True, tag=f"unit-{i}")
+        self._inflight[i] = self.fetch_unit(i)
+
+    def fetch_unit(self, i: int):
+        """Issue the collective that fills unit ``i``'s full buffer; return its handle (ZeRO++ overrides it)."""
+        shard = self.flat.shard_view(self.param_shard, self.flat.units[i])
+        return self.communicator.all_gather(self._full[i], shard, async_op=True, tag=f"unit-{i}")
 
     def _complete(self, i: int) -> None:
         self._inflight.pop(i).wait()

@@ -1,27 +1,38 @@
-"""Collectives that keep a ledger of the bytes they send (chapter 2).
+"""Collectives that keep a ledger of their algorithm bytes, intra- and inter-node (chapters 2, 9).
 
 ``Communicator`` wraps ``torch.distributed`` for one process group. Every
-collective is recorded in a ``CommLedger`` with the bytes *this rank sends*
-under the bandwidth-optimal ring algorithm (``network.ring_bytes``) and the
-seconds it took. Those are the algorithm's logical bytes: gloo, for one,
-emulates reduce-scatter with an all-reduce and moves about twice as much.
+collective is recorded in a ``CommLedger`` with its *algorithm bytes*: the
+bytes this rank sends under the bandwidth-optimal ring algorithm
+(``network.ring_bytes``), computed from the real call's tensor size. They are
+a model of the wire, not a capture of it: gloo, for one, emulates
+reduce-scatter with an all-reduce and moves about twice as much. Each record
+also keeps the seconds from issue to completion.
 
-A *simulated link* (``link="demo"``, ``"infiniband-200g"`` or a ``Link``)
-makes each collective take at least as long as it would on that network.
-The link is one channel: a collective issued while another is in flight
-starts when the first ends. ``Handle.wait()`` sleeps until the simulated
-finish, so work done between issuing an async collective and waiting for it
-really does hide the transfer, as on a real network. On a laptop, where
-loopback gloo and compute fight for the same cores, this is how overlap and
-prefetch show what they buy.
+Nodes (chapter 9, ``runtime/nodes.py``): with ``ranks_per_node`` K the world
+communicator also has ``.intra`` and ``.inter`` communicators (same ledger),
+and each record splits its bytes into those that stay in a node and those
+that cross (``inter_bytes``); ``ledger.total_bytes(scope="inter")`` sums them.
+
+A *simulated link* (``link="demo"``, ``"infiniband-200g"``, a ``Link``, or
+one per tier ``{"intra": ..., "inter": ...}``) makes each collective take at
+least as long as it would on that network: a group inside one node runs on
+the intra link, a group that spans nodes at the pace of the inter link (its
+slowest hop). Each tier is one channel: a collective issued while another is
+in flight on the same tier starts when the first ends. ``Handle.wait()``
+sleeps until the simulated finish, so work done between issuing an async
+collective and waiting for it really does hide the transfer, as on a real
+network. On a laptop, where loopback gloo and compute fight for the same
+cores, this is how overlap, prefetch and ZeRO++ show what they buy.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from zerolab.runtime import nodes
 from zerolab.theory.network import Link, get_link, ring_bytes
 
 __all__ = ["Communicator", "CommLedger", "CommRecord", "Handle"]
@@ -30,28 +41,47 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 # torch 2.13 renamed the tensor forms; older releases only have the old names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_SCOPES = (None, "intra", "inter")
 
 
 @dataclass
 class CommRecord:
     op: str            # "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"
-    bytes: int         # bytes this rank sends under the ring algorithm
-    seconds: float     # issue -> completion (including any simulated delay)
+    bytes: int         # algorithm bytes: what this rank sends under the ring algorithm (a model, not a capture)
+    seconds: float     # issue -> completion (the later of the backend's and the simulated link's)
     numel: int         # elements of the full tensor
     dtype: str
-    world_size: int
+    world_size: int    # ranks in the group
     tag: str = ""
     simulated: bool = False
+    inter_bytes: int = 0   # the part of ``bytes`` that crosses nodes (module docstring)
+
+    @property
+    def intra_bytes(self) -> int:
+        return self.bytes - self.inter_bytes
 
 
 @dataclass
 class CommLedger:
-    """Every collective a ``Communicator`` ran, with bytes sent and seconds."""
+    """Every collective a ``Communicator`` (and its node groups) ran: algorithm bytes and seconds."""
     records: list = field(default_factory=list)
-    link: Link | None = None  # the simulated link, if any (figures must say so)
+    link: object = None  # the simulated link, if any: a Link or {"intra": Link, "inter": Link}
+    busy_until: dict = field(default_factory=dict)  # simulated link tier -> when its channel is idle again
 
-    def total_bytes(self, op: str | None = None) -> int:
-        return sum(r.bytes for r in self.records if op is None or r.op == op)
+    def _pick(self, op, scope):
+        if scope not in _SCOPES:
+            raise ValueError(f"scope must be one of {_SCOPES}, got {scope!r}")
+        return [r for r in self.records if op is None or r.op == op]
+
+    def total_bytes(self, op: str | None = None, scope: str | None = None) -> int:
+        """Algorithm bytes this rank sent; ``scope="intra"`` / ``"inter"``: only those that stayed in /
+        crossed nodes."""
+        rs = self._pick(op, scope)
+        if scope == "inter":
+            return sum(r.inter_bytes for r in rs)
+        if scope == "intra":
+            return sum(r.intra_bytes for r in rs)
+        return sum(r.bytes for r in rs)
 
     def total_seconds(self, op: str | None = None) -> float:
         return sum(r.seconds for r in self.records if op is None or r.op == op)
@@ -69,12 +99,13 @@ class CommLedger:
         self.records.clear()
 
     def summary(self) -> str:
-        lines = [f"{'op':<15}{'calls':>7}{'bytes sent':>14}{'seconds':>10}"]
-        for op in sorted({r.op for r in self.records}):
-            lines.append(f"{op:<15}{self.count(op):>7}{self.total_bytes(op):>14,}{self.total_seconds(op):>10.4f}")
-        lines.append(f"{'total':<15}{self.count():>7}{self.total_bytes():>14,}{self.total_seconds():>10.4f}")
+        lines = [f"{'op':<15}{'calls':>7}{'algorithm bytes':>17}{'inter-node':>13}{'seconds':>10}"]
+        for op in sorted({r.op for r in self.records}) + [None]:
+            lines.append(f"{op or 'total':<15}{self.count(op):>7}{self.total_bytes(op):>17,}"
+                         f"{self.total_bytes(op, 'inter'):>13,}{self.total_seconds(op):>10.4f}")
         if self.link is not None:
-            lines.append(f"(simulated link: {self.link})")
+            link = self.link if isinstance(self.link, Link) else ", ".join(f"{k}: {v}" for k, v in self.link.items())
+            lines.append(f"(simulated link: {link})")
         return "\n".join(lines)
 
 
@@ -86,7 +117,13 @@ class Handle:
                  t_link_done: float, after=None):
         self._work, self._record, self._ledger = work, record, ledger
         self._t_issue, self._t_link_done, self._after = t_issue, t_link_done, after
+        self._t_complete = []   # filled by the backend's completion callback, where it has one
         self.done = False
+        if work is not None:
+            try:
+                work.get_future().add_done_callback(lambda _: self._t_complete.append(time.perf_counter()))
+            except RuntimeError:  # gloo's list-form reduce-scatter has no future: completion = when waited on
+                pass
 
     def is_completed(self) -> bool:
         """Has the collective finished (and would a simulated link have delivered
@@ -102,48 +139,86 @@ class Handle:
             return
         if self._work is not None:
             self._work.wait()
+        t_backend = self._t_complete[0] if self._t_complete else time.perf_counter()
         delay = self._t_link_done - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
         if self._after is not None:
             self._after()
-        self._record.seconds = time.perf_counter() - self._t_issue
+        self._record.seconds = max(t_backend, self._t_link_done) - self._t_issue
         self._ledger.records.append(self._record)
         self.done = True
 
 
 class Communicator:
-    """Collectives over one process group, recorded in ``self.ledger``."""
+    """Collectives over one process group, recorded in ``self.ledger``; ``.intra`` / ``.inter``:
+    the communicators of this rank's node and of its peers on the other nodes (None on one node)."""
 
-    def __init__(self, group=None, link=None):
+    def __init__(self, group=None, link=None, ranks_per_node=None, ledger=None):
         """The communicator of ``group`` (default: the whole world). Without an
         initialised ``torch.distributed`` it is a one-rank communicator whose
-        collectives are local copies, so single-process code runs unchanged."""
+        collectives are local copies, so single-process code runs unchanged.
+        ``ranks_per_node`` (default: ``LOCAL_WORLD_SIZE``, else everything on one node)."""
         self.group = group
         local = not dist.is_initialized()
         if local and group is not None:
             raise ValueError("a process group was given, but torch.distributed is not initialised")
         self.rank = 0 if local else dist.get_rank(group)
         self.world_size = 1 if local else dist.get_world_size(group)
+        world = 1 if local else dist.get_world_size()
+        if ranks_per_node is None:
+            ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if not local else 1
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 \
+                or world % ranks_per_node:
+            raise ValueError(f"ranks_per_node must be an integer >= 1 that divides the world size ({world}), "
+                             f"got {ranks_per_node!r}")
+        self.ranks_per_node = ranks_per_node
+        self.members = list(range(world)) if group is None or local else \
+            [dist.get_global_rank(group, i) for i in range(self.world_size)]
+        self.node = (0 if local else dist.get_rank()) // ranks_per_node   # this rank's node
         # gloo's reduce_scatter_tensor copies into a temporary and all-reduces; its
         # list form works on views of the input and is faster (15 MB, 4 ranks: 57 vs 75 ms)
         self._rs_list = not local and dist.get_backend(group) == "gloo"
-        self.ledger = CommLedger(link=get_link(link))
-        self._link_free_at = 0.0  # simulated link: when the channel is idle again
+        self.ledger = ledger if ledger is not None else CommLedger(link=link if isinstance(link, dict) else get_link(link))
+        self._links = nodes.node_links(self.ledger.link)
+        self.spans_nodes = len({g // ranks_per_node for g in self.members}) > 1
+        self.intra = self.inter = None
+        if group is None and 1 < ranks_per_node < world:
+            intra, inter = nodes.node_groups(world, ranks_per_node)
+            self.intra = Communicator(intra, ranks_per_node=ranks_per_node, ledger=self.ledger)
+            self.inter = Communicator(inter, ranks_per_node=ranks_per_node, ledger=self.ledger)
+
+    def node_subgroup(self, size: int) -> "Communicator":
+        """The communicator of the ``size`` consecutive ranks that hold this rank, inside its node
+        (ZeRO++'s hpZ partition); its group is built once per process. A collective call."""
+        if self.group is not None or size < 1 or self.ranks_per_node % size or self.world_size % size:
+            raise ValueError(f"a node subgroup of {size} ranks needs the world communicator and a size dividing "
+                             f"the ranks per node ({self.ranks_per_node})")
+        if size == self.world_size:
+            return self
+        if size == self.ranks_per_node:
+            return self.intra
+        return Communicator(nodes.consecutive_group(self.world_size, size), ranks_per_node=self.ranks_per_node,
+                            ledger=self.ledger)
+
+    def inter_fraction(self, op: str, src: int = 0) -> float:
+        """The share of this rank's algorithm bytes for ``op`` that crosses nodes (``nodes.inter_fraction``)."""
+        return nodes.inter_fraction(op, self.members, self.rank, self.ranks_per_node)
 
     # -- one place that times, simulates and records ---------------------------------
     def _run(self, op, tensor_for_size, call, async_op, tag, src=0, after=None):
         nbytes = tensor_for_size.numel() * tensor_for_size.element_size()
         sent = ring_bytes(op, nbytes, self.world_size, self.rank, src)
         t_issue = time.perf_counter()
-        link = self.ledger.link
         t_done = 0.0
-        if link is not None:
-            start = max(t_issue, self._link_free_at)
-            t_done = start + link.time(op, nbytes, self.world_size, self.rank, src)
-            self._link_free_at = t_done
+        if self._links is not None:
+            tier = "inter" if self.spans_nodes else "intra"
+            start = max(t_issue, self.ledger.busy_until.get(tier, 0.0))
+            t_done = start + self._links[tier].time(op, nbytes, self.world_size, self.rank, src)
+            self.ledger.busy_until[tier] = t_done
         record = CommRecord(op, sent, 0.0, tensor_for_size.numel(), str(tensor_for_size.dtype).replace("torch.", ""),
-                            self.world_size, tag, link is not None)
+                            self.world_size, tag, self._links is not None,
+                            inter_bytes=round(sent * self.inter_fraction(op, src)))
         work = call(async_op) if self.world_size > 1 else None
         handle = Handle(work, record, self.ledger, t_issue, t_done, after)
         if not async_op:

@@ -24,6 +24,10 @@ rank order. Design choices, each measured on a 2-core machine:
   Children also die with the parent (``PR_SET_PDEATHSIG``), so an interrupted
   or crashed kernel leaves no orphans.
 * Threads: each rank uses ``max(1, cores // world_size)`` intra-op threads.
+* Nodes (chapter 9): ``ranks_per_node=K`` makes ranks ``m*K .. m*K+K-1``
+  simulated node ``m`` (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``
+  as torchrun sets them), so the communicator builds intra- and inter-node
+  groups and books which bytes cross nodes.
 
 Under ``torchrun`` (multi-node) the same call runs ``fn`` in the current
 process with ``env://`` rendezvous and all-gathers the results, so one script
@@ -90,7 +94,7 @@ def _under_torchrun() -> bool:
 
 def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
            timeout: float = 120, start_method: str = "auto", threads: int | None = None,
-           collective_timeout: float | None = None):
+           collective_timeout: float | None = None, ranks_per_node: int | None = None):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return results in rank order.
 
     timeout: seconds for the whole run.
@@ -98,6 +102,7 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
     ``timeout``); default: ``timeout``. A rank waiting longer for its peers raises.
     start_method: "auto" (fork when safe, else forkserver), "fork", "forkserver" or "spawn".
     threads: intra-op threads per rank (default max(1, cores // world_size)).
+    ranks_per_node: simulated node size K, dividing world_size (default: all ranks on one node).
     Raises LaunchError if any rank raises, dies, or the timeout passes.
     """
     if not callable(fn):
@@ -111,6 +116,7 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
             collective_timeout <= 0:
         raise ValueError(f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}")
     kwargs = dict(kwargs or {})
+    _check_ranks_per_node(ranks_per_node, world_size)
     if _under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
             warnings.warn(f"zl.launch(world_size={world_size}) under torchrun: torchrun's WORLD_SIZE="
@@ -140,7 +146,8 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
             p = ctx.Process(
                 target=child_main, name=f"zerolab-rank{rank}", daemon=True,
                 args=(payload, rank, world_size, backend, workdir, collective_timeout, threads, child_end,
-                      os.getpid()))
+                      os.getpid()),
+                kwargs={"ranks_per_node": ranks_per_node or world_size})
             p.start()
             child_end.close()
             procs.append(p)
@@ -152,6 +159,16 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
             c.close()
         shutil.rmtree(workdir, ignore_errors=True)
     return results
+
+
+def _check_ranks_per_node(k, world_size):
+    if k is None:
+        return
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or world_size % k:
+        raise ValueError(f"ranks_per_node must be an integer >= 1 that divides world_size ({world_size}), got {k!r}")
+    if _under_torchrun() and int(os.environ.get("LOCAL_WORLD_SIZE", k)) != k:
+        warnings.warn(f"zl.launch(ranks_per_node={k}) under torchrun: torchrun's LOCAL_WORLD_SIZE="
+                      f"{os.environ['LOCAL_WORLD_SIZE']} is used", stacklevel=3)
 
 
 def _prewarm():

@@ -62,7 +62,7 @@ def _alive(pid):
             return False
 
 
-def child_main(payload, rank, world_size, backend, workdir, timeout, threads, conn, parent_pid):
+def child_main(payload, rank, world_size, backend, workdir, timeout, threads, conn, parent_pid, ranks_per_node=None):
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C / kernel interrupt: the parent decides
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # die at once, even inside a C++ collective
@@ -72,8 +72,9 @@ def child_main(payload, rank, world_size, backend, workdir, timeout, threads, co
     os.dup2(log, 1), os.dup2(log, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads))
+    k = ranks_per_node or world_size  # simulated node size: ranks m*k .. m*k+k-1 are node m
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % k),
+                      LOCAL_WORLD_SIZE=str(k), GROUP_RANK=str(rank // k), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # the parent de-duplicates; the fork may have a stale registry

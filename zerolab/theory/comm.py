@@ -23,19 +23,32 @@ r = (N-1)/N, one rank sends:
 boundary; persistence thresholds and reuse-distance caching that skip some
 stage-3 re-gathers are not modelled.)
 
-ZeRO++ flags (stage 3 only), as in the ZeRO++ paper's accounting:
-  * quantized_weights (qwZ): the forward all-gather moves int8 instead of
-    16-bit weights: M/2 (quantization scales ignored).
-  * quantized_gradients (qgZ): the gradient reduce-scatter moves int4 instead
-    of 16-bit: M/4 (its hierarchical intra-node all-to-all step and scales
-    are not modelled separately).
-  * hpz (hierarchical partitioning): each node keeps a secondary copy of the
-    parameters sharded over its ``gpus_per_node`` GPUs, so the backward
-    all-gather runs inside the node (group of gpus_per_node ranks).
-With ``gpus_per_node``, a collective over all N ranks that spans more than
-one node is counted as inter-node (in a ring every hop carries the same bytes,
-so the slowest link sets the pace); one inside a node is intra-node. So
-ZeRO-3's 3M cross-node volume becomes 0.5M + 0 + 0.25M = 0.75M with all three.
+ZeRO++ flags (stage 3 only; chapter 9), as zerolab's engine runs them:
+  * quantized_weights (qwZ): *both* weight all-gathers (forward and backward,
+    as DeepSpeed quantizes every fetch) move int8 plus one fp32 scale per
+    ``weight_group`` elements of each rank's shard: about M/2 each.
+  * hpz (hierarchical partitioning, ``hpz=H`` or True for H = gpus_per_node):
+    after the forward gather each group of H ranks of a node keeps a
+    secondary partition, so the backward all-gather (16-bit) runs among
+    those H ranks only.
+  * quantized_gradients (qgZ): the reduce-scatter becomes two int4
+    all-to-alls with one fp32 scale per ``gradient_group`` elements of each
+    rank's shard: among the K ranks of a node (the whole tensor, swizzled),
+    then among the M = N/K ranks with the same local index (1/K of it,
+    summed over the node).
+``units`` (element counts of the engine's units, default one unit of Ψ)
+makes the padding and the scales exact: each unit is padded to N shards and
+quantized shard by shard, as the engine does.
+
+Inside and across nodes (gpus_per_node = K). ``split_intra_inter`` splits
+what one rank sends by the rule the engine's ledger uses
+(``runtime/comm.py``): a ring over all N ranks has N links, of which one
+per node crosses a node boundary, so a fraction (nodes)/N = 1/K of each
+rank's ring bytes crosses; a group inside a node crosses nothing, and the
+inter-node all-to-all only crosses. Per rank that is one NIC's traffic on a
+node with one NIC per GPU; K times it is what a node sends across, the
+ZeRO++ paper's accounting: ZeRO-3's 3M cross-node volume becomes
+0.5M + 0 + 0.25M = 0.75M with all three (plus the scales).
 """
 from __future__ import annotations
 
@@ -45,15 +58,24 @@ from zerolab.theory.checks import check_psi_n
 from zerolab.theory.network import Link, get_link, ring_bytes
 
 
+def quantized_bytes(length: int, bits: int, group: int) -> int:
+    """Bytes of ``length`` elements block-quantized to ``bits`` (8 or 4) with one fp32 scale per
+    ``group`` elements: the payload (int4: two per byte) plus 4 bytes per group."""
+    if bits not in (4, 8) or group < 1:
+        raise ValueError(f"bits must be 4 or 8 and group >= 1, got bits={bits!r}, group={group!r}")
+    return (length if bits == 8 else -(-length // 2)) + 4 * max(1, -(-length // group))
+
+
 @dataclass(frozen=True)
 class CommOp:
     """One kind of collective in a step."""
-    op: str          # "all_reduce" | "reduce_scatter" | "all_gather"
-    what: str        # "grads" | "params" | "params-forward" | "params-backward"
+    op: str          # "all_reduce" | "reduce_scatter" | "all_gather" | "all_to_all"
+    what: str        # "grads" | "params" | "params-forward" | "params-backward" | "grads-intra" | "grads-inter"
     group: int       # ranks taking part
-    nbytes: int      # full tensor size (all-reduce tensor, RS input, AG output)
+    nbytes: int      # full tensor size (all-reduce tensor, RS input, AG output, all-to-all input)
     count: int       # how many times per optimizer step
-    inter_node: bool # does the group span nodes?
+    inter_node: bool # does the group span nodes? (its time is set by the inter-node link)
+    inter_share: float = 0.0  # fraction of each rank's bytes that crosses nodes (module docstring)
 
     @property
     def bytes_each(self) -> int:
@@ -64,6 +86,11 @@ class CommOp:
     def bytes(self) -> int:
         """Bytes one rank sends for all ``count`` of them."""
         return self.count * self.bytes_each
+
+    @property
+    def inter_bytes(self) -> int:
+        """The part of ``bytes`` that crosses nodes."""
+        return self.count * round(self.bytes_each * self.inter_share)
 
 
 def _check(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node):
@@ -79,32 +106,60 @@ def _check(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node):
     return psi, n
 
 
+def _hpz_size(hpz, k, n) -> int:
+    if hpz is True:
+        return k
+    if hpz is False or hpz is None or hpz == 1:
+        return 1
+    if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1 or k % hpz:
+        raise ValueError(f"hpz must be a bool or a partition size dividing gpus_per_node ({k}), got {hpz!r}")
+    return hpz
+
+
 def comm_breakdown(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_node=None,
-                   quantized_weights=False, quantized_gradients=False, hpz=False) -> list[CommOp]:
+                   quantized_weights=False, quantized_gradients=False, hpz=False,
+                   units=None, weight_group=8000, gradient_group=4096) -> list[CommOp]:
     """The collectives one optimizer step runs (see the module docstring)."""
     psi, n = _check(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node)
     if stage < 3 and (quantized_weights or quantized_gradients or hpz):
         raise ValueError(f"ZeRO++ (quantized_weights, quantized_gradients, hpz) needs stage 3, got stage={stage}")
     if hpz and gpus_per_node is None:
         raise ValueError("hpz=True needs gpus_per_node (the secondary partition lives inside a node)")
-    m = -(-psi // n) * n * dtype_bytes               # 16-bit model bytes, padded to N shards
+    units = [psi] if units is None else [int(u) for u in units]
+    if sum(units) != psi or min(units) < 1:
+        raise ValueError(f"units must be positive element counts adding up to psi ({psi}), got sum {sum(units)}")
+    shards = [-(-u // n) for u in units]              # S per unit: padded to N shards
+    m = sum(shards) * n * dtype_bytes                 # 16-bit model bytes, padded unit by unit
     g = grad_accum
-    spans = gpus_per_node is not None and n > gpus_per_node
-    world = dict(group=n, inter_node=spans)
+    k = min(n, gpus_per_node or n)                    # ranks per node
+    nodes = -(-n // k)
+    world = dict(group=n, inter_node=nodes > 1, inter_share=nodes / n if nodes > 1 else 0.0)
     if stage == 0:
         return [CommOp("all_reduce", "grads", nbytes=m, count=1, **world)]
     if stage in (1, 2):
         return [CommOp("reduce_scatter", "grads", nbytes=m, count=1 if stage == 1 else g, **world),
                 CommOp("all_gather", "params", nbytes=m, count=1, **world)]
-    node = min(n, gpus_per_node) if hpz else n
-    return [CommOp("all_gather", "params-forward", nbytes=m // 2 if quantized_weights else m, count=g, **world),
-            CommOp("all_gather", "params-backward", nbytes=m, count=g,
-                   **(dict(group=node, inter_node=False) if hpz else world)),
-            CommOp("reduce_scatter", "grads", nbytes=m // 4 if quantized_gradients else m, count=g, **world)]
+    h = _hpz_size(hpz, k, n)
+    weights = n * sum(quantized_bytes(s, 8, weight_group) for s in shards) if quantized_weights else m
+    ops = [CommOp("all_gather", "params-forward", nbytes=weights, count=g, **world),
+           CommOp("all_gather", "params-backward", nbytes=m, count=g, group=h, inter_node=False) if h > 1 else
+           CommOp("all_gather", "params-backward", nbytes=weights, count=g, **world)]
+    if not quantized_gradients:
+        return ops + [CommOp("reduce_scatter", "grads", nbytes=m, count=g, **world)]
+    r = sum(shards)                                   # a rank's gradient shard, elements
+    if 1 < k < n:
+        if n % k:
+            raise ValueError(f"quantized_gradients across nodes needs gpus_per_node ({k}) to divide n_gpus ({n})")
+        return ops + [CommOp("all_to_all", "grads-intra", group=k, nbytes=n * quantized_bytes(r, 4, gradient_group),
+                             count=g, inter_node=False),
+                      CommOp("all_to_all", "grads-inter", group=nodes, nbytes=nodes * quantized_bytes(r, 4, gradient_group),
+                             count=g, inter_node=True, inter_share=1.0)]
+    return ops + [CommOp("all_to_all", "grads", group=n, nbytes=n * quantized_bytes(r, 4, gradient_group), count=g,
+                         inter_node=nodes > 1, inter_share=1.0 if nodes > 1 else 0.0)]
 
 
 def comm_volume(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_node=None,
-                quantized_weights=False, quantized_gradients=False, hpz=False) -> int:
+                quantized_weights=False, quantized_gradients=False, hpz=False, **zeropp) -> int:
     """Bytes one rank sends per optimizer step (ring algorithms; chapter 2).
 
     g = 1: 2Ψ(N-1)/N·dtype_bytes for stages 0-2, 3Ψ(N-1)/N·dtype_bytes for
@@ -113,12 +168,13 @@ def comm_volume(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_node=N
     """
     return sum(op.bytes for op in comm_breakdown(
         psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node,
-        quantized_weights, quantized_gradients, hpz))
+        quantized_weights, quantized_gradients, hpz, **zeropp))
 
 
 def split_intra_inter(ops: list[CommOp]) -> dict:
-    """{"intra": bytes, "inter": bytes} one rank sends, by where its group lives."""
-    inter = sum(op.bytes for op in ops if op.inter_node)
+    """{"intra": bytes, "inter": bytes} one rank sends, split by the ring links that cross nodes
+    (module docstring; the engine's ledger books the same, ``engine.comm.total_bytes(scope=...)``)."""
+    inter = sum(op.inter_bytes for op in ops)
     return {"intra": sum(op.bytes for op in ops) - inter, "inter": inter}
 
 

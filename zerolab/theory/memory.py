@@ -75,6 +75,7 @@ class Estimate:
     optimizer: int    # bytes on the device: master copy + moments
     host: int         # bytes in host RAM (offload to "cpu")
     nvme: int         # bytes on NVMe (offload to "nvme")
+    hpz: int = 0      # of ``params``: ZeRO++ hpZ's secondary partition (chapter 9)
 
     @property
     def total(self) -> int:
@@ -94,11 +95,13 @@ class Estimate:
 
 
 def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
-             offload_optimizer="none", offload_param="none") -> Estimate:
+             offload_optimizer="none", offload_param="none", hpz_partition_size=1) -> Estimate:
     """Per-rank bytes of params, grads and optimizer state under ZeRO ``stage``.
 
     Chapter 1 derives it (16Ψ in mixed-precision Adam, split by stage).
     ``zl.estimate(7.5e9, 64, 1).gb()`` -> 31.4 (the ZeRO paper's Table 1).
+    ``hpz_partition_size=H`` (ZeRO++, stage 3): each rank also keeps a secondary 1/H
+    partition of the (padded) parameters, on top of its 1/N primary shard.
     """
     psi, n = check_psi_n(psi, n_gpus)
     _choice("stage", stage, STAGES)
@@ -111,6 +114,13 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
                          f"allowed at stage {stage}: ('none',)")
     p, g, k = bytes_per_param(precision, optimizer)
     shard = -(-psi // n)                       # elements per rank, padded partition
+    h = hpz_partition_size
+    if isinstance(h, bool) or not isinstance(h, int) or h < 1 or n % h:
+        raise ValueError(f"hpz_partition_size must be an integer >= 1 dividing n_gpus ({n}), got {h!r}")
+    if h > 1 and (stage < 3 or offload_param != "none"):
+        raise ValueError(f"hpz_partition_size={h} needs stage 3 without offload_param (got stage={stage}, "
+                         f"offload_param={offload_param!r})")
+    hpz = p * shard * n // h if h > 1 else 0   # secondary partition: padded Ψ / H elements
     params = p * (shard if stage >= 3 else psi)
     grads = g * (shard if stage >= 2 else psi)
     optim = k * (shard if stage >= 1 else psi)
@@ -118,10 +128,10 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
     off[offload_optimizer] += optim
     off[offload_param] += params
     return Estimate(psi, n, stage, precision, optimizer, offload_optimizer, offload_param,
-                    params=0 if offload_param != "none" else params,
+                    params=0 if offload_param != "none" else params + hpz,
                     grads=grads,
                     optimizer=0 if offload_optimizer != "none" else optim,
-                    host=off["cpu"], nvme=off["nvme"])
+                    host=off["cpu"], nvme=off["nvme"], hpz=hpz)
 
 
 # ---- activations (chapter 1: why ZeRO alone does not make a model fit) ----
