@@ -77,7 +77,7 @@ class Node:
 
     def __str__(self):
         return (f"{self.name}: {self.gpus} GPUs on {self.intra.name} ({self.intra.bandwidth / GB:g} GB/s), "
-                f"{self.nics} x {self.nic_bandwidth * 8 / GB:g} Gb/s NIC{"s" if self.nics > 1 else ""} = {self.network_bandwidth / GB:g} GB/s")
+                f"{self.nics} x {self.nic_bandwidth * 8 / GB:g} Gb/s NIC{'s' if self.nics > 1 else ''} = {self.network_bandwidth / GB:g} GB/s")
 
 
 # Presets (line rates per direction; sources in the comments).
