@@ -77,6 +77,23 @@ def test_seed_rule_70b_needs_tp_depends_on_the_nics(psi):
     assert eight.compute_ratio < 1 < one.compute_ratio
 
 
+def test_communication_never_falls_with_the_stage():
+    """Why the lower-stage tie-break makes the choice 'the lowest stage that fits': for any g the
+    ring model orders DDP = ZeRO-1 <= ZeRO-2 <= ZeRO-3 (so an answer cannot depend on g)."""
+    for g in (1, 2, 8):
+        t = [zl.step_comm_time(13e9, 64, s, node="dgx-a100", grad_accum=g) for s in range(4)]
+        assert t[0] == pytest.approx(t[1]) and t[1] <= t[2] * (1 + 1e-12) and t[2] <= t[3]
+
+
+def test_allow_offload_limits_the_levels():
+    p = zl.choose_stage(1e12, 8, 80 * GB, 10 * GB, node="dgx-a100", host_bytes=512 * GB, margin=0)
+    assert p.name == "ZeRO-3 + offload_optimizer=nvme + offload_param=nvme"
+    assert zl.choose_stage(1e12, 8, 80 * GB, 10 * GB, node="dgx-a100", host_bytes=512 * GB, margin=0,
+                           allow_offload="optimizer").choice is None
+    with pytest.raises(ValueError, match="allow_offload"):
+        zl.choose_stage(7e9, 8, 80 * GB, node="dgx-a100", allow_offload="cpu")
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="gpu_bytes"):
         zl.choose_stage(7e9, 8, 0, node="dgx-a100")

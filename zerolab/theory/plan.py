@@ -18,6 +18,11 @@
    only worth having if something uses it — and then it belongs in ``activations``, where
    rule 1 sees it.
 
+Under the ring model communication never falls with the stage (DDP = ZeRO-1 <= ZeRO-2 <= ZeRO-3
+for every g), so the procedure returns the lowest stage that fits with the least offload; the
+times are what it reports beside the choice, and what decides between variants that are not
+ordered (ZeRO++ flags, other nodes).
+
 ``Plan.compute_ratio`` (communication / compute, when ``compute_seconds`` is given) says
 whether data parallelism alone is enough: above 1 the step waits on the network unless
 overlap hides it — the point to add tokens per step, ZeRO++, or tensor parallelism inside
@@ -32,6 +37,7 @@ from zerolab.theory.comm import step_comm_time
 from zerolab.theory.memory import estimate
 
 TIE = 0.01
+OFFLOAD = ("none", "optimizer", "optimizer+params", "nvme")   # allow_offload: the most offload to try
 # (stage, offload_optimizer, offload_param) by offload level
 LEVELS = (((0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none")),
           ((1, "cpu", "none"), (2, "cpu", "none"), (3, "cpu", "none")),
@@ -79,9 +85,13 @@ class Plan:
 
 
 def choose_stage(psi, n_gpus, gpu_bytes, activations=0, node=None, link=None, grad_accum=1, margin=0.1,
-                 host_bytes=None, precision="mixed", optimizer="adam", compute_seconds=None) -> Plan:
+                 host_bytes=None, precision="mixed", optimizer="adam", compute_seconds=None,
+                 allow_offload="nvme") -> Plan:
     """The procedure of the module docstring. ``node`` (a ``Node`` or preset name) or ``link``
-    (one network for every collective) sets the communication time; one of them is needed."""
+    (one network for every collective) sets the communication time; one of them is needed.
+    ``allow_offload``: the most offload to consider, one of ``OFFLOAD``."""
+    if allow_offload not in OFFLOAD:
+        raise ValueError(f"allow_offload={allow_offload!r} is not allowed; expected one of {OFFLOAD}")
     if gpu_bytes <= 0:
         raise ValueError(f"gpu_bytes must be > 0, got {gpu_bytes!r}")
     if not 0 <= margin < 1:
@@ -92,7 +102,7 @@ def choose_stage(psi, n_gpus, gpu_bytes, activations=0, node=None, link=None, gr
     dtype = 4 if precision == "fp32" else 2
     net = dict(node=node) if node is not None else dict(link=link)
     rows, choice = [], None
-    for level in LEVELS:
+    for level in LEVELS[: OFFLOAD.index(allow_offload) + 1]:
         fitting = []
         for stage, oo, op in level:
             est = estimate(psi, n_gpus, stage, precision, optimizer, oo, op)
