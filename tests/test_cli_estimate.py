@@ -48,7 +48,7 @@ def test_offload_and_nodes_rows():
     assert r.returncode == 0, r.stderr
     psi, n = 13e9, 16
     host = row(r.stdout, "host RAM per rank")
-    assert host == ["0", gb(8 * psi / n), gb(8 * psi / n), gb(8 * psi / n)]     # fp32 Adam: K = 8
+    assert host == ["0", gb(12 * psi / n), gb(12 * psi / n), gb(12 * psi / n)]  # fp32 Adam: K = 8, + fp32 grads
     assert row(r.stdout, "NVMe per rank") == ["0", "0", "0", gb(4 * psi / n)]
     assert row(r.stdout, "GPU: params")[3] == "0"
     # a ring over 16 ranks on 2 nodes: 2 of its 16 links cross nodes (theory/comm.py)
@@ -60,7 +60,7 @@ def test_config_drives_settings_and_marks_stage():
     r = run("estimate", "--params", "7.5e9", "--gpus", "8", "--config", str(CONFIGS / "seed_004b_stage3_8xA100.json"))
     assert r.returncode == 0, r.stderr
     assert "stage 3*" in r.stdout and "optimizer adamw" in r.stdout and "gradient accumulation 4" in r.stdout
-    assert row(r.stdout, "host RAM per rank")[3] == gb(12 * 7.5e9 / 8)
+    assert row(r.stdout, "host RAM per rank")[3] == gb(16 * 7.5e9 / 8)      # 12Ψ/N state + 4Ψ/N fp32 grads
 
 
 def test_bad_seed_config_is_a_clear_error():

@@ -143,8 +143,9 @@ def rss_worker(path):
 def test_nvme_lowers_resident_memory(tmp_path):
     out = zl.launch(rss_worker, world_size=1, args=(str(tmp_path),), timeout=300)[0]
     (peak_nvme, mem_nvme, c_nvme), (peak_cpu, mem_cpu, c_cpu) = out["nvme"], out["cpu"]
-    state = mem_cpu["host"]                      # 12 bytes/param of fp32 master + m + v
+    state = mem_cpu["host"] - mem_nvme["host"]   # 12 bytes/param of fp32 master + m + v
     assert state == mem_nvme["nvme"] > 40e6
+    assert mem_nvme["host"] == mem_nvme["nvme"] // 3   # both keep the fp32 gradient shard (4 bytes) in RAM
     staging = mem_nvme["buffers"] - mem_cpu["buffers"]
     assert 0 < staging < state / 4
     assert c_cpu - c_nvme >= state - staging - 1e6          # census: the state is not in RAM

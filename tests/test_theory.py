@@ -79,18 +79,59 @@ def test_properties_monotonic_and_n1(precision, optimizer):
 
 
 def test_offload_moves_bytes_without_losing_them():
-    base = estimate(7.5e9, 64, 3)
-    opt_cpu = estimate(7.5e9, 64, 3, offload_optimizer="cpu")
-    assert (opt_cpu.optimizer, opt_cpu.host, opt_cpu.nvme) == (0, base.optimizer, 0)
-    assert opt_cpu.params == base.params and opt_cpu.grads == base.grads
-    both = estimate(7.5e9, 64, 3, offload_optimizer="nvme", offload_param="cpu")
-    assert (both.params, both.optimizer, both.host, both.nvme) == (0, 0, base.params, base.optimizer)
-    both_nvme = estimate(7.5e9, 64, 3, offload_optimizer="nvme", offload_param="nvme")
-    assert both_nvme.nvme == base.params + base.optimizer and both_nvme.total == base.grads
-    for e in (opt_cpu, both, both_nvme):
-        assert e.all_tiers == base.total
-    z2 = estimate(7.5e9, 8, 2, offload_optimizer="cpu")
-    assert z2.total == 2 * 7.5e9 + 2 * 7.5e9 / 8 and z2.host == 12 * 7.5e9 / 8
+    """Optimizer offload as ZeRO-Offload and DeepSpeed do it (issue 14): the optimizer state and
+    an fp32 gradient shard go to the host; the device keeps the parameters (stage 2: 2Ψ,
+    stage 3: 2Ψ/N in mixed precision), the host 16Ψ/N per rank."""
+    psi, n = 7.5e9, 64
+    shard = psi / n
+    base = estimate(psi, n, 3)
+    opt_cpu = estimate(psi, n, 3, offload_optimizer="cpu")
+    assert (opt_cpu.params, opt_cpu.grads, opt_cpu.optimizer, opt_cpu.nvme) == (base.params, 0, 0, 0)
+    assert opt_cpu.total == 2 * shard and opt_cpu.host == 16 * shard
+    both = estimate(psi, n, 3, offload_optimizer="nvme", offload_param="cpu")
+    assert (both.params, both.grads, both.optimizer) == (0, 0, 0)
+    assert (both.host, both.nvme) == (base.params + 4 * shard, base.optimizer)
+    both_nvme = estimate(psi, n, 3, offload_optimizer="nvme", offload_param="nvme")
+    assert both_nvme.nvme == base.params + base.optimizer and both_nvme.total == 0 and both_nvme.host == 4 * shard
+    for e in (opt_cpu, both, both_nvme):      # the fp32 gradient shard replaces the 16-bit one: +2Ψ/N
+        assert e.all_tiers == base.total + 2 * shard
+    z2 = estimate(psi, 8, 2, offload_optimizer="cpu")
+    assert (z2.total, z2.grads, z2.host) == (2 * psi, 0, 16 * psi / 8)
+    z1 = estimate(psi, 8, 1, offload_optimizer="cpu")
+    assert (z1.params, z1.grads, z1.host) == (2 * psi, 2 * psi, 16 * psi / 8)   # stage 1 accumulates whole grads
+    f3 = estimate(psi, n, 3, precision="fp32", offload_optimizer="cpu")
+    assert (f3.total, f3.host) == (4 * shard, 12 * shard)                       # no master in fp32
+
+
+def test_offload_agrees_with_deepspeeds_estimator_on_the_device():
+    """DeepSpeed's documented formulas (docs/MEASUREMENTS.md): ZeRO-2 + offload: 2Ψ on the GPU;
+    ZeRO-3 + optimizer offload: 4 x largest layer + 2Ψ/N = our .total + gathered_working_set."""
+    from zerolab.theory import gathered_working_set
+    psi, n, largest = 7_000_000_000, 64, 200_000_000
+    assert estimate(psi, n, 2, offload_optimizer="cpu").total == deepspeed_estimate(psi, n, 2, offload_optimizer=True).gpu
+    ours = estimate(psi, n, 3, offload_optimizer="cpu").total + gathered_working_set(largest)
+    ds = deepspeed_estimate(psi, n, 3, largest_layer=largest, offload_optimizer=True).gpu
+    assert abs(ours - ds) <= 1
+    # host, per node of 8: ours 16Ψ/N per rank x 8 ranks = DeepSpeed's 16Ψ/nodes before its 1.5 factor
+    host_node = 8 * estimate(psi, n, 3, offload_optimizer="cpu").host
+    assert abs(host_node * 1.5 - deepspeed_estimate(psi, n, 3, largest_layer=largest, offload_optimizer=True,
+                                                    gpus_per_node=8).cpu) <= 2
+    with pytest.raises(ValueError, match="largest_layer"):
+        gathered_working_set(0)
+
+
+def test_against_installed_deepspeed():
+    """The same comparison against DeepSpeed's own functions, where DeepSpeed is installed."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from zerolab.theory import gathered_working_set
+    psi, largest = 7_000_000_000, 200_000_000
+    _, gpu2 = estimate_zero2_model_states_mem_needs(psi, 8, 8, cpu_offload=True)
+    assert gpu2 == estimate(psi, 64, 2, offload_optimizer="cpu").total
+    _, gpu3, _ = estimate_zero3_model_states_mem_needs(psi, largest, 8, 8, cpu_offload=True,
+                                                       cpu_offload_params=False)
+    assert abs(gpu3 - estimate(psi, 64, 3, offload_optimizer="cpu").total - gathered_working_set(largest)) <= 1
 
 
 @pytest.mark.parametrize("kwargs,names", [
@@ -257,7 +298,7 @@ def test_estimate_config_reads_stage_precision_optimizer_offload():
           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     e = estimate_config(1000, 4, ds)
     assert (e.stage, e.precision, e.optimizer_name, e.offload_optimizer) == (3, "mixed_fp32_grads", "sgd_momentum", "cpu")
-    assert (e.params, e.grads, e.optimizer, e.host) == (2 * 250, 4 * 250, 0, 8 * 250)
+    assert (e.params, e.grads, e.optimizer, e.host) == (2 * 250, 0, 0, 8 * 250 + 4 * 250)   # fp32 grads on the host
     plain = estimate_config(1000, 4, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     assert (plain.precision, plain.optimizer_name, plain.total) == ("fp32", "sgd", 8 * 1000)
 

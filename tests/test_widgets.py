@@ -134,7 +134,8 @@ def test_explorer_n_precision_and_offload(explorer):
     assert explorer.data["params"][0] == 4 * 7.5e9 and explorer.data["optimizer"][0] == 8 * 7.5e9
     explorer.offload_optimizer.value = "cpu"
     assert explorer.data["optimizer"][1:] == [0, 0, 0]
-    assert explorer.data["host"][1] == 8 * 7.5e9 / 4
+    assert explorer.data["host"][1] == (8 + 4) * 7.5e9 / 4      # moments + the fp32 gradient shard
+    assert explorer.data["grads"][2:] == [0, 0]                  # stages 2-3: gradients left the device
     assert explorer.data["host"][0] == 0                 # DDP has no offload
     explorer.offload_param.value = "nvme"
     assert explorer.data["params"][3] == 0 and explorer.data["nvme"][3] == 4 * 7.5e9 / 4
@@ -160,15 +161,16 @@ def test_explorer_comm_volume(explorer):
     assert comm[3] == pytest.approx(3 * 2 * psi * (n - 1) / n, rel=1e-9)
 
 
-def test_explorer_link_and_grad_accum(explorer):
-    from zerolab.theory.network import LINKS
+def test_explorer_nodes_and_grad_accum(explorer):
     psi, n, m = 7.5e9, 64, 2 * 7.5e9                  # M: 16-bit model bytes
-    ib = explorer.data["comm_seconds"][0]
-    # DDP: one ring all-reduce of M bytes: 2(N-1) latencies + 2(N-1)/N M / bandwidth
-    assert ib == pytest.approx(2 * (n - 1) * LINKS["infiniband-200g"].latency
-                               + 2 * (n - 1) / n * m / LINKS["infiniband-200g"].bandwidth, rel=1e-6)
-    explorer.link.value = "nvlink3"
-    assert explorer.data["comm_seconds"][0] < ib / 10
+    t8 = explorer.data["comm_seconds"][0]
+    # DDP on 8 DGX A100 nodes: one ring all-reduce of M bytes at min(NVLink 300, 8 NICs x 25) = 200 GB/s:
+    # 2(N-1) latencies of 5 us + 2(N-1)/N M / bandwidth
+    assert t8 == pytest.approx(2 * (n - 1) * 5e-6 + 2 * (n - 1) / n * m / 200e9, rel=1e-6)
+    explorer.node.value = "dgx-a100-1nic"                # one NIC per node: the ring runs at 25 GB/s
+    assert explorer.data["comm_seconds"][0] == pytest.approx(2 * (n - 1) * 5e-6 + 2 * (n - 1) / n * m / 25e9, rel=1e-6)
+    assert "1 x 200 Gb/s NIC" in explorer.figure.axes[1].get_title()
+    explorer.node.value = "dgx-a100"
     base = explorer.data["comm"][:]
     explorer.grad_accum.value = 4
     c = explorer.data["comm"]

@@ -29,6 +29,9 @@ _EXPORTS = {
     "ConfigError": "zerolab.config",
     "Link": "zerolab.theory.network",
     "LINKS": "zerolab.theory.network",
+    "Node": "zerolab.theory.nodes",
+    "NODES": "zerolab.theory.nodes",
+    "choose_stage": "zerolab.theory.plan",
     # runtime (chapters 0, 2); `launch` itself is imported eagerly below
     "LaunchError": "zerolab.runtime.launch",
     "CommLedger": "zerolab.runtime.comm",

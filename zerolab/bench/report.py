@@ -49,7 +49,7 @@ def world_table(result: dict, world: dict) -> str:
             + (f"; simulated link {s['link']} where named" if result["mode"] == "overlap" else ""))
     width = max([46] + [len(r["label"]) + 1 for r in world["contenders"]])
     lines = [head, f"{'contender':<{width}}{'median ms':>10}{'IQR ms':>12}{'CPU ms':>8}{'floor ms':>9}{'eff':>6}"
-                   f"{'held MB':>9}{'peak MB':>9}{'16Ψ/N MB':>9}{'peak-16Ψ/N':>11}{'sent/step MB':>13}{'max|Δp|':>9}"]
+                   f"{'held MB':>9}{'peak MB':>9}{'16Ψ/N MB':>9}{'peak-16Ψ/N':>11}{'algo MB/step':>13}{'max|Δp|':>9}"]
     for r in world["contenders"]:
         iqr = f"{r['q1_ms']:.0f}-{r['q3_ms']:.0f}"
         sent = f"{r['bytes_per_step'] / MB:.2f}" + ("" if r["bytes_source"] == "ledger" else "*")
@@ -75,7 +75,8 @@ def world_table(result: dict, world: dict) -> str:
     lines.append("CPU ms: CPU seconds per step of one rank (all its threads), mean over ranks; floor: the step with no "
                  "overhead (bench/floor.py); eff: floor / median; held/peak: resident MB the contender adds, max over "
                  "ranks (VmHWM); 16Ψ/N: fp32 Adam model states of its stage (theory); peak-16Ψ/N: the rest of the "
-                 "peak (activations, buffers, temporaries); sent/step: our ledger, * = ring formulas; max|Δp|: final "
+                 "peak (activations, buffers, temporaries); algo MB/step: algorithm bytes sent per step (the ring algorithm's bytes for "
+                 "each call's sizes: our ledger, * = ring formulas; gloo itself moves ~2x for reduce-scatter); max|Δp|: final "
                  "parameters vs the first row")
     return "\n".join(lines) + "\n"
 

@@ -75,7 +75,7 @@ def compare_specs(stages, world_size: int, batch: int, overlap_comm=None,
     if any(sp.kind == "deepspeed" for sp in specs) and bucket is None:
         notes.append("DeepSpeed allocates a reduce_bucket_size buffer up front (5e8 fp32 elements = 2 GB by "
                      "default); on CPU nobody touches its pages, so it is not resident and not in 'peak'")
-    notes.append("sent/step counts the ring algorithm's bytes; gloo moves more (its reduce-scatter is an "
+    notes.append("algo MB/step counts the ring algorithm's bytes; gloo moves more (its reduce-scatter is an "
                  "all-reduce inside), so time, not bytes, is where gloo's choices show")
     return specs, notes
 

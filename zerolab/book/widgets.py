@@ -23,9 +23,11 @@ PRESETS = {"7.5B": 7.5e9, "13B": 13e9, "70B": 70e9, "175B": 175e9}
 GPUS_GB = (24, 40, 80, 141)      # RTX 4090; A100 40GB; A100 80GB or H100; H200
 N_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STAGES = (0, 1, 2, 3)
-# zerolab.theory.network.LINKS preset -> label (the links the seeds discuss; chapter 2)
-LINK_CHOICES = {"nvlink3": "NVLink A100 (300 GB/s each way)", "infiniband-200g": "InfiniBand 200 Gb/s",
-                "ethernet-100g": "Ethernet 100 Gb/s"}
+# node kind -> (label, zerolab.theory.nodes preset, NICs per node or None for the preset's); chapter 2
+NODE_CHOICES = {"dgx-a100": ("DGX A100, 8 x 200 Gb/s NICs", "dgx-a100", None),
+                "dgx-a100-1nic": ("DGX A100 with 1 x 200 Gb/s NIC", "dgx-a100", 1),
+                "dgx-h100": ("DGX H100, 8 x 400 Gb/s NICs", "dgx-h100", None),
+                "cloud-100gbe": ("8 x A100, 1 x 100 GbE NIC", "cloud-100gbe", None)}
 _WIDE = {"description_width": "initial"}
 
 
@@ -49,7 +51,7 @@ class MemoryExplorer:
 
     def __init__(self, psi=7.5e9, n_gpus=64, precision="mixed", optimizer="adam",
                  gpu_gb=80, layers=32, hidden=4096, heads=32, seq_len=2048, micro_batch=1,
-                 checkpointing=False, link="infiniband-200g"):
+                 checkpointing=False, node="dgx-a100"):
         from zerolab import theory
         self._theory = theory
         self.psi = W.FloatLogSlider(value=psi, base=10, min=8, max=12, step=0.01,
@@ -84,8 +86,8 @@ class MemoryExplorer:
         self.micro_batch = W.IntSlider(value=micro_batch, min=1, max=64, description="micro-batch",
                                        continuous_update=False)
         self.checkpointing = W.Checkbox(value=checkpointing, description="activation checkpointing")
-        self.link = W.Dropdown(options=[(label, name) for name, label in LINK_CHOICES.items()],
-                               value=link, description="link", style=_WIDE)
+        self.node = W.Dropdown(options=[(label, name) for name, (label, *_) in NODE_CHOICES.items()],
+                               value=node, description="nodes (8 GPUs each)", style=_WIDE)
         self.grad_accum = W.IntSlider(value=1, min=1, max=16, description="micro-batches per step (g)",
                                       continuous_update=False, style=_WIDE)
         self.controls = dict(psi=self.psi, n_gpus=self.n_gpus, precision=self.precision,
@@ -93,13 +95,13 @@ class MemoryExplorer:
                              offload_param=self.offload_param, gpu_gb=self.gpu_gb,
                              layers=self.layers, hidden=self.hidden, heads=self.heads,
                              seq_len=self.seq_len, micro_batch=self.micro_batch,
-                             checkpointing=self.checkpointing, link=self.link,
+                             checkpointing=self.checkpointing, node=self.node,
                              grad_accum=self.grad_accum)
         self.data, self.figure, self.png, self.renders = None, None, None, 0
         self.output = W.interactive_output(self._draw, self.controls)
         acts = W.VBox([W.HBox([self.layers, self.hidden, self.heads]),
                        W.HBox([self.seq_len, self.micro_batch, self.checkpointing])])
-        comm = W.HBox([self.link, self.grad_accum])
+        comm = W.HBox([self.node, self.grad_accum])
         acc = W.Accordion(children=[acts, comm],
                           titles=("activations (GPT-like model)", "communication (chapter 2)"))
         self.widget = W.VBox([
@@ -113,7 +115,7 @@ class MemoryExplorer:
 
     def compute(self, psi, n_gpus, precision, optimizer, offload_optimizer, offload_param,
                 layers, hidden, heads, seq_len, micro_batch, checkpointing,
-                link="infiniband-200g", grad_accum=1, **_):
+                node="dgx-a100", grad_accum=1, **_):
         """Bytes per GPU for every stage, from ``zl.estimate`` / ``zl.activation_memory``."""
         th = self._theory
         psi = int(round(psi))
@@ -132,7 +134,7 @@ class MemoryExplorer:
             data["total"].append(est.total + act)
             comm = dict(dtype_bytes=4 if precision == "fp32" else 2, grad_accum=grad_accum)
             data["comm"].append(th.comm_volume(psi, n_gpus, stage, **comm))
-            data["comm_seconds"].append(th.step_comm_time(psi, n_gpus, stage, link, **comm))
+            data["comm_seconds"].append(th.step_comm_time(psi, n_gpus, stage, node=node_of(node), **comm))
         return data
 
     def _draw(self, gpu_gb, **settings):
@@ -153,8 +155,8 @@ class MemoryExplorer:
         ax_comm.set_xlabel("data-parallel strategy")
         ax_comm.set_ylabel("bytes sent per GPU per step (GB = 1e9 bytes)")
         g = p["grad_accum"]
-        ax_comm.set_title(f"Sent per step{f' (g = {g})' if g > 1 else ''}; time on {LINK_CHOICES[p['link']]}",
-                          fontsize=10)
+        ax_comm.set_title(f"Sent per step{f' (g = {g})' if g > 1 else ''} (algorithm bytes);\n"
+                          f"time on {NODE_CHOICES[p['node']][0]}", fontsize=10)
         self.figure, self.png = fig, plots.figure_png(fig)
         self.renders += 1
         fits = ", ".join(f"{name} {'fits' if t <= gpu_gb * plots.GB else 'does not fit'}"
@@ -167,6 +169,13 @@ class MemoryExplorer:
         """Redraw with the current control values; returns the figure."""
         self._draw(**{k: w.value for k, w in self.controls.items()})
         return self.figure
+
+
+def node_of(choice: str):
+    """The ``zerolab.theory.Node`` a ``NODE_CHOICES`` key stands for."""
+    from zerolab.theory.nodes import NODES
+    _, preset, nics = NODE_CHOICES[choice]
+    return NODES[preset] if nics is None else NODES[preset].with_nics(nics)
 
 
 def _optimizer_options(theory):

@@ -5,18 +5,23 @@ shard of the optimizer state — fp32 master weights (mixed precision) and
 Adam's m and v, 12 bytes per element, or m and v alone (8) in fp32 — lives
 off the accelerator. Per unit, at the step:
 
-    gradient shard  device -> host  (into a pinned fp32 staging slot; the next
-                                     unit's copy is in flight while this one steps:
-                                     double buffering)
+    gradient shard  already on the host, fp32 (it left the device during backward)
     state chunk     RAM, or NVMe -> staging buffer (read ahead, ``buffer_count``)
     CPU step        one fused pass (torch's vectorised CPU Adam/AdamW kernel)
     parameters      host -> device  (the updated 16-bit, or fp32, shard)
     state chunk     staging -> NVMe (written behind, while the next unit steps)
 
-The device keeps only parameters and gradients: ``memory()`` reports
-``optimizer`` = 0 and the state under ``host`` or ``nvme``. On a CPU-only
-machine "device" and "host" are the same RAM; the accounting still says
-which tier each byte belongs to, and the NVMe tier really leaves RAM.
+Gradients leave the device during backward, as in ZeRO-Offload and DeepSpeed:
+each bucket's reduce-scatter lands in a device temporary that is copied at
+once into the rank's fp32 gradient shard in host RAM (``host_grads``, padded
+Ψ/N elements; accumulated over micro-batches in the config's gradient dtype,
+so the numbers are those of the on-device engines). The step reads that shard
+in place. So the device keeps the parameters only (and, at stage 1, the whole
+gradient buffer it accumulates into): ``memory()`` reports ``optimizer`` = 0,
+``grads`` = 0 at stages 2-3, the fp32 gradient shard under ``host`` and the
+state under ``host`` or ``nvme``. On a CPU-only machine "device" and "host"
+are the same RAM; the accounting still says which tier each byte belongs to,
+and the NVMe tier really leaves RAM.
 
 ``OffloadMixin`` goes in front of a stage class; the named classes built from
 it are in ``offloaded.py`` (stage 3's parameter offload is in ``param_offload``).
@@ -28,6 +33,7 @@ import errno
 import torch
 
 from zerolab.runtime.measure import storage_bytes
+from zerolab.engine.buckets import rank_major
 from zerolab.engine.nvme import ChunkStore, NVMeError, check_nvme_path
 from zerolab.engine.optim import FUSED_ADAM, ShardedOptimizer
 
@@ -43,7 +49,7 @@ class OffloadOptimizer:
     """
 
     def __init__(self, kind, params, targets, has_master, off, rank=0, sub_group_size=10**9,
-                 grad_dtype=torch.float32, key="zero_optimization.offload_optimizer"):
+                 key="zero_optimization.offload_optimizer"):
         self.math = ShardedOptimizer(kind, params, [])   # validated hyper-parameters, torch.optim's maths
         self.kind, self.targets, self.has_master, self.device = kind, targets, has_master, off.device
         self.lr, self.step_count = self.math.lr, 0
@@ -58,13 +64,9 @@ class OffloadOptimizer:
         dev = targets[0].device if targets else torch.device("cpu")
         self.pin = bool(off.pin_memory) and torch.cuda.is_available() and dev.type == "cuda"
         self.async_copy = dev.type == "cuda"
-        # a CPU "device" is host memory already: fp32 gradients (and fp32 params) are used in place
-        self.grads_in_place = dev.type == "cpu" and grad_dtype == torch.float32
+        # a CPU "device" is host memory already: fp32 params are used in place
         self.params_in_place = dev.type == "cpu" and not has_master
         big = max(self.sizes, default=0)
-        # grad staging: 2 x largest piece, fp32 (double buffer: one stepping, one arriving)
-        self.grad_stage = [torch.empty(0 if self.grads_in_place else big, dtype=torch.float32, pin_memory=self.pin)
-                           for _ in range(2)]
         # fp32 only: the parameter piece comes back to the host for the step (2 x largest piece)
         self.param_stage = [torch.empty(0 if has_master or self.params_in_place else big, dtype=torch.float32,
                                         pin_memory=self.pin) for _ in range(2)]
@@ -103,18 +105,14 @@ class OffloadOptimizer:
 
     def staging_bytes(self) -> int:
         """Transfer and I/O staging buffers (host RAM)."""
-        return sum(storage_bytes(t) for t in self.grad_stage + self.param_stage) + \
+        return sum(storage_bytes(t) for t in self.param_stage) + \
             (self.store.staging_bytes() if self.store else 0)
 
     # ---------------------------------------------------------------- the step
     def _fetch(self, k: int, grads, slot: int):
-        """Start copying piece k's gradient (and, in fp32, its parameters) to the host."""
+        """Piece k's gradient (host fp32, scaled in place below); in fp32 start copying its parameters."""
         i, a, b = self.pieces[k]
-        if self.grads_in_place:
-            g = grads[i][a:b]      # scaled in place below, as the on-device step does
-        else:
-            g = self.grad_stage[slot][: b - a]
-            g.copy_(grads[i][a:b], non_blocking=self.async_copy)
+        g = grads[i][a:b]
         p = None
         if self.params_in_place:
             p = self.targets[i][a:b]
@@ -223,7 +221,58 @@ class OffloadMixin:
         self.targets = [self.own(self.flat.flat, u) for u in self.flat.units]
         self.optimizer = OffloadOptimizer(self.config.optimizer.type, self.config.optimizer.params, self.targets,
                                           self.precision.has_master, z.offload_optimizer, self.rank,
-                                          z.sub_group_size, self.precision.grad_dtype)
+                                          z.sub_group_size)
+
+    # ---------------------------------------------------------------- gradients go to the host in backward
+    def build_grads(self) -> None:
+        super().build_grads()
+        pin = torch.cuda.is_available() and self.flat.device.type == "cuda"
+        # gradient shard in host RAM, fp32: padded Ψ / N elements (the CPU optimizer reads it in place)
+        self.host_grads = torch.zeros(self.flat.shard_numel, dtype=torch.float32, pin_memory=pin)
+        if self.stage >= 2:   # no device gradient shard: each bucket's reduced shard goes straight to the host
+            self.grad_shard = self.grad_shard.new_empty(0)
+
+    def _to_host(self, bucket, shards, first: bool) -> None:
+        """A bucket's reduced gradient shards (device, grad dtype; one per unit) -> ``host_grads``.
+        Later micro-batches add, rounded to the grad dtype as the on-device shard would be."""
+        dest = [self.flat.shard_view(self.host_grads, u) for u in bucket]
+        if first:
+            torch._foreach_copy_(dest, shards)
+            return
+        torch._foreach_add_(dest, [t.to(self.host_grads.device, torch.float32) for t in shards])
+        if self.precision.grad_dtype != torch.float32:
+            torch._foreach_copy_(dest, [d.to(self.precision.grad_dtype) for d in dest])
+
+    def _first_micro_step(self) -> bool:
+        return self.stage == 1 or self.micro_steps % self.gas == 0
+
+    def reduce_scatter_grads(self, i: int) -> None:
+        """Reduce-scatter bucket ``i`` into a device temporary; its shard then leaves for the host."""
+        b, first = self.buckets[i], self._first_micro_step()
+        if self.stage >= 2:      # stage 2's rank-major staging buffer, freed with the collective
+            inp, self._staging[i] = self._staging_buffer(i), None
+        else:                    # stage 1: the accumulated full gradients, packed rank-major
+            inp = rank_major([self.flat.unit_view(self.grads, u) for u in b], self.world_size)
+        out = torch.empty(sum(u.shard for u in b), dtype=inp.dtype, device=inp.device)  # (ΣS,) grad dtype
+        h = self.communicator.reduce_scatter(out, inp, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
+        keep = (inp, out) if self.stage >= 2 or len(b) > 1 else (out,)
+        self.track(h, lambda: self._to_host(b, list(out.split([u.shard for u in b])), first), keep, i)
+
+    def all_reduce_grads(self, i: int) -> None:
+        """``"reduce_scatter": false``: all-reduce the bucket, then this rank's shard leaves for the host."""
+        b, first = self.buckets[i], self._first_micro_step()
+        if self.stage >= 2:
+            buf, self._staging[i] = self._staging_buffer(i), None
+            row = sum(u.shard for u in b)
+            mine = lambda: list(buf[self.rank * row: (self.rank + 1) * row].split([u.shard for u in b]))  # noqa: E731
+        else:
+            buf = self.grads[b[0].offset: b[-1].offset + b[-1].padded]
+            mine = lambda: [self.own(self.grads, u) for u in b]  # noqa: E731
+        h = self.communicator.all_reduce(buf, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
+        self.track(h, lambda: self._to_host(b, mine(), first), (buf,) if self.stage >= 2 else (), i)
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        return [self.flat.shard_view(self.host_grads, u) for u in self.flat.units]
 
     def step(self) -> None:
         super().step()
@@ -250,7 +299,7 @@ class OffloadMixin:
 
     def memory(self):
         r = super().memory()
-        r.host += self.optimizer.host_bytes()
+        r.host += self.optimizer.host_bytes() + storage_bytes(self.host_grads)
         r.nvme += self.optimizer.nvme_bytes()
         r.buffers += self.optimizer.staging_bytes()
         return r

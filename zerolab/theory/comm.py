@@ -1,4 +1,4 @@
-"""What each ZeRO stage sends per optimizer step, and how long it takes (chapter 2).
+"""What each ZeRO stage sends per optimizer step, and how long it takes (chapters 2, 10).
 
 Pure arithmetic on top of ``zerolab.theory.network`` (ring_bytes, Link): a step is a
 list of collectives (``CommOp``); bytes one rank sends = the sum of their ring
@@ -55,7 +55,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerolab.theory.checks import check_psi_n
-from zerolab.theory.network import Link, get_link, ring_bytes
+from zerolab.theory.network import ring_bytes
+from zerolab.theory.nodes import get_node, node_from_links
 
 
 def quantized_bytes(length: int, bits: int, group: int) -> int:
@@ -178,21 +179,31 @@ def split_intra_inter(ops: list[CommOp]) -> dict:
     return {"intra": sum(op.bytes for op in ops) - inter, "inter": inter}
 
 
-def step_comm_time(psi, n_gpus, stage, link, inter_link=None, bucket_elems=None, dtype_bytes=2,
+def step_comm_time(psi, n_gpus, stage, link=None, inter_link=None, bucket_elems=None, dtype_bytes=2,
                    grad_accum=1, gpus_per_node=None, quantized_weights=False,
-                   quantized_gradients=False, hpz=False) -> float:
+                   quantized_gradients=False, hpz=False, node=None) -> float:
     """Seconds of communication per step in the alpha-beta model, no overlap.
 
-    ``link``: a ``zerolab.Link`` or preset name, used for intra-node
-    collectives (or all of them). ``inter_link``: used for collectives that
-    span nodes (needs ``gpus_per_node``). ``bucket_elems``: each collective is
-    split into ceil(Ψ / bucket_elems) buckets, each paying the latency of
+    ``node``: a ``zerolab.theory.Node`` or preset name (``"dgx-a100"``, ``"dgx-h100"``,
+    ``"cloud-100gbe"``): GPUs per node, NICs per node, the fabric inside. A collective
+    whose group spans nodes runs at min(NVLink, NICs x NIC speed) (``theory.nodes``).
+    Or, without ``node``: ``link`` (a ``zerolab.Link`` or preset name) for collectives
+    inside a node, or all of them, and ``inter_link`` for those that span nodes (needs
+    ``gpus_per_node``) — a node with ONE NIC of that speed. ``bucket_elems``: each
+    collective is split into ceil(Ψ / bucket_elems) buckets, each paying the latency of
     its ring steps (the reason bucket sizes matter on slow links).
     """
-    link = get_link(link)
-    inter = get_link(inter_link) or link
-    if not isinstance(link, Link):
-        raise ValueError("link must be a zerolab.Link or a preset name from zerolab.LINKS")
+    nd = get_node(node)
+    if nd is not None:
+        if link is not None or inter_link is not None:
+            raise ValueError("give either node=... or link/inter_link, not both (a node names its own links)")
+        if gpus_per_node is not None and gpus_per_node != nd.gpus:
+            raise ValueError(f"gpus_per_node={gpus_per_node} contradicts node {nd.name!r} ({nd.gpus} GPUs)")
+        gpus_per_node = nd.gpus
+    elif link is None:
+        raise ValueError("step_comm_time needs node=... (zerolab.theory.NODES) or link=... (zerolab.LINKS)")
+    else:
+        nd = node_from_links(link, inter_link, gpus_per_node)
     ops = comm_breakdown(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node,
                          quantized_weights, quantized_gradients, hpz)
     psi = int(round(psi))
@@ -201,7 +212,7 @@ def step_comm_time(psi, n_gpus, stage, link, inter_link=None, bucket_elems=None,
     buckets = 1 if bucket_elems is None else -(-psi // int(bucket_elems))
     total = 0.0
     for op in ops:
-        lk = inter if op.inter_node else link
+        lk = nd.link_for(op.group if op.inter_node else 1)
         one = lk.time(op.op, op.nbytes, op.group)                     # whole tensor at once
         extra = (buckets - 1) * lk.time(op.op, 0, op.group)           # latency of the other buckets
         total += op.count * (one + extra)

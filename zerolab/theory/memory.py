@@ -22,12 +22,23 @@ Per device, with shards of ceil(psi / N) elements (a padded flat partition):
     stage 2         optimizer / N, grads / N
     stage 3         everything / N
 
-Offload (ZeRO-Offload / ZeRO-Infinity): ``offload_optimizer`` ("cpu" | "nvme",
-stages 1-3) moves the optimizer bytes (master + moments) of the rank's shard to
-host RAM or NVMe; the device keeps params and grads. ``offload_param`` (stage 3
-only) moves the rank's parameter shard too. (DeepSpeed also stages an fp32
-gradient partition on the host when offloading; zerolab's engine does not, so
-neither does this model.)
+Offload (ZeRO-Offload / ZeRO-Infinity), as ZeRO-Offload and DeepSpeed do it:
+``offload_optimizer`` ("cpu" | "nvme", stages 1-3) moves the optimizer bytes
+(master + moments) of the rank's shard to host RAM or NVMe, and the reduced
+gradient shard goes to host RAM as fp32 during backward (the CPU optimizer reads
+it there): 4Ψ/N on the host. The device keeps the parameters, and at stage 1 the
+whole gradient buffer it accumulates into:
+
+    offload_optimizer   device (mixed)      device (fp32)     host (mixed)   host (fp32)
+    stage 1             2Ψ + 2Ψ             4Ψ + 4Ψ           16Ψ/N          12Ψ/N
+    stage 2             2Ψ                  4Ψ                16Ψ/N          12Ψ/N
+    stage 3             2Ψ/N                4Ψ/N              16Ψ/N          12Ψ/N
+
+(fp32 has no master copy: the device parameters are the update target.) With
+"nvme" the 12Ψ/N (8Ψ/N) of optimizer state is on NVMe and the 4Ψ/N of gradients
+stays in host RAM. ``offload_param`` (stage 3 only) moves the rank's parameter
+shard too. ``.total`` is model states only; stage 3 also needs the working set of
+gathered layers beside it (``gathered_working_set``).
 
 The communication half of the model lives in ``zerolab.theory.comm``; both are
 exported by ``zerolab.theory``.
@@ -127,11 +138,21 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
     off = {"none": 0, "cpu": 0, "nvme": 0}
     off[offload_optimizer] += optim
     off[offload_param] += params
+    host_grads = 4 * shard if offload_optimizer != "none" else 0   # fp32 gradient shard, in host RAM
     return Estimate(psi, n, stage, precision, optimizer, offload_optimizer, offload_param,
                     params=0 if offload_param != "none" else params + hpz,
-                    grads=grads,
-                    optimizer=0 if offload_optimizer != "none" else optim,
-                    host=off["cpu"], nvme=off["nvme"], hpz=hpz)
+                    grads=grads if stage < 2 or not host_grads else 0,
+                    host=off["cpu"] + host_grads, nvme=off["nvme"],
+                    optimizer=0 if offload_optimizer != "none" else optim, hpz=hpz)
+
+
+def gathered_working_set(largest_layer, precision="mixed") -> int:
+    """Bytes of ZeRO-3's gathered layers beside ``.total``: DeepSpeed's 4 x largest layer, the
+    16-bit parameters and gradients of the largest layer while it computes (8 x in fp32)."""
+    if isinstance(largest_layer, bool) or not isinstance(largest_layer, (int, float)) or largest_layer <= 0:
+        raise ValueError(f"largest_layer (parameters of the largest layer) must be > 0, got {largest_layer!r}")
+    p, g, _ = bytes_per_param(precision)
+    return (p + g) * int(largest_layer)
 
 
 # ---- activations (chapter 1: why ZeRO alone does not make a model fit) ----
@@ -191,8 +212,11 @@ def deepspeed_estimate(psi, n_gpus, stage, largest_layer=None, gpus_per_node=Non
     Ψ·max(4N, 16)·factor. ZeRO-3 (``largest_layer`` params needed):
     gpu = 4·largest_layer + 18Ψ/N; + optimizer offload: 4·largest + 2Ψ/N;
     + param offload: 4·largest. The 1.5 buffer factor scales only the CPU
-    figure. Ours differs: 2Ψ + 14Ψ/N for ZeRO-2 (no separate fp32 gradient),
-    16Ψ/N for ZeRO-3 (no gathered-layer buffer) — chapter 1 explains why.
+    figure, which is per node and the larger of the start-up peak (every local
+    process holds the full fp32 model on the host, 4Ψ each) and the steady state.
+    Ours differs without offload: 2Ψ + 14Ψ/N for ZeRO-2 (no separate fp32
+    gradient), 16Ψ/N for ZeRO-3 (the gathered layers are ``gathered_working_set``,
+    beside ``.total``); with offload the device figures agree (chapters 1, 7).
     """
     psi, n = check_psi_n(psi, n_gpus)
     _choice("stage", stage, (2, 3))
