@@ -46,7 +46,7 @@ UNIT = r"\s?(GB|MB|kB|TB|PB|GiB|MiB|ms|µs|s)\b"
 REFERENCE = (r"(?i)\b(chapters?|ch\.|table|figure|section|seed|step|stage|exercise|issue|rank|unit|block|"
              r"bucket|layer|row|column|cell|part|point|Q|P)\s*(\d+\s*(,|–|-|and|or)\s*)*$")
 
-YEAR_BEFORE = r"(\(|\bin |\bsince |\bof )$"     # a year only where a date is expected
+YEAR_BEFORE = r"(\(|\bin |\bsince |\bof |, |al\. )$"     # a year only where a date is expected
 # Text around a number that makes it notation or a reference, not a quantity:
 # (regex the text before must end with, regex the text after must start with, why).
 SKIP = [
@@ -57,6 +57,7 @@ SKIP = [
     ("", r"-?(?!x\b)[A-Za-z_]", "glued to letters: 3D, 2nd, 16-bit, 4-byte (a ratio 3x is checked)"),
     ("", r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]", "a power of ten written 10⁹, 10⁻³: a unit definition or an order of magnitude"),
     (r"^\s*$", r"\.\s", "an ordered-list marker (1. 2. 3.)"),
+    (r"(?i)\b(deepspeed|torch|pytorch|python|version|v)\s*$", "", "a software version: DeepSpeed 0.19"),
 ]
 
 
@@ -86,6 +87,8 @@ def prose(markdown: str) -> str:
 
 def skipped(before: str, written: str, after: str) -> bool:
     """Whether the number is notation or a reference (``SKIP``), not a quantity to check."""
+    if written.endswith("M") and re.match(r"\(", after):
+        return True                                     # M as a variable in a formula: 36 M(N−1)/N
     if re.match(UNIT, after) or (written[-1] in SCALE and not re.match(r"\s*[Ψψ·]", after)):
         return False                                    # a size (120 GB, 7.5B): always a quantity
     if re.fullmatch(r"(19|20)\d\d", written) and re.search(YEAR_BEFORE, before):
@@ -209,7 +212,8 @@ def test_rounding_and_scales(tmp_path):
 
 def test_notation_and_references_are_not_numbers(tmp_path):
     md = ("16Ψ and 2Ψ + 14Ψ/N; chapter 3, Table 1 of Rajbhandari et al. (2020), chapters 4–6; ZeRO-2 in fp16 "
-          "on A100s; GB means 10⁹ bytes; 2 ranks of 4 bytes; 16-bit\n1. first step")
+          "on A100s; GB means 10⁹ bytes; 2 ranks of 4 bytes; 16-bit; (Patarasuk & Yuan, 2009); Korthikanti "
+          "et al. 2022; DeepSpeed 0.19; sends 36 M(N−1)/N\n1. first step")
     assert _nb(tmp_path, md, "pass") == []
 
 
