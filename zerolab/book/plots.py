@@ -3,8 +3,8 @@
 Every function draws on a matplotlib ``Axes`` (made for you when ``ax`` is None)
 and returns it; every plot gets a title and axis labels with units. Sizes are
 shown in GB = 10^9 bytes, as in the ZeRO paper. ``figure_png`` turns a figure
-into PNG bytes and ``show`` displays a figure: the widgets and chapters draw
-without pyplot, so no figure leaks out of a widget's output area.
+into PNG bytes and ``show`` displays a figure with alt text: the widgets and
+chapters draw without pyplot, so no figure leaks out of a widget's output area.
 
 Used by: chapter 1 (``stage_memory_bars``, ``memory_bars``), chapter 2
 (``comm_bars``, ``bandwidth_curves``, ``ring_grid``), chapter 6 (``plot_timeline``).
@@ -37,10 +37,23 @@ def figure_png(fig, dpi=80) -> bytes:
     return buf.getvalue()
 
 
-def show(fig, dpi=100):
-    """Display ``fig`` in the notebook as a PNG (works without pyplot or ``%matplotlib``)."""
-    from IPython.display import Image, display
-    display(Image(data=figure_png(fig, dpi=dpi), format="png"))
+def show(fig, dpi=100, alt=None):
+    """Display ``fig`` as a PNG with alt text (``alt``; default: its titles), without pyplot or ``%matplotlib``."""
+    from IPython.display import display
+    display(image_bundle(figure_png(fig, dpi=dpi), alt or figure_alt(fig)), raw=True)
+
+
+def figure_alt(fig) -> str:
+    """Default alt text: 'Figure: ' and the titles of the figure's axes."""
+    return "Figure: " + ("; ".join(ax.get_title() for ax in fig.axes if ax.get_title()) or "a plot")
+
+
+def image_bundle(png: bytes, alt: str) -> dict:
+    """Display bundle: an <img> with alt text (the HTML nbconvert renders), the PNG, the alt as plain text."""
+    import base64, html
+    b64 = base64.b64encode(png).decode("ascii")
+    return {"text/html": f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}"/>',
+            "image/png": b64, "text/plain": alt}
 
 
 def _get(obj, name):

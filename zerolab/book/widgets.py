@@ -15,7 +15,7 @@ import html
 import io
 
 import ipywidgets as W
-from IPython.display import Image, display
+from IPython.display import display
 
 from zerolab.book import plots
 
@@ -161,7 +161,7 @@ class MemoryExplorer:
         self.renders += 1
         fits = ", ".join(f"{name} {'fits' if t <= gpu_gb * plots.GB else 'does not fit'}"
                          for name, t in zip(plots.STAGE_NAMES, data["total"]))
-        display(Image(data=self.png, format="png"))
+        display(plots.image_bundle(self.png, plots.figure_alt(fig)), raw=True)
         print(f"Ψ = {format_params(p['psi'])} parameters, N = {p['n_gpus']}. "
               f"With {gpu_gb} GB per GPU: {fits}.")
 
@@ -270,7 +270,7 @@ class RingAllReduceStepper:
         plots.ring_grid(self.state, self.sends, ax=ax, title=title)
         self.figure, self.png = fig, plots.figure_png(fig)
         self.renders += 1
-        display(Image(data=self.png, format="png"))
+        display(plots.image_bundle(self.png, plots.figure_alt(fig)), raw=True)
         sent = self.bytes_sent(n, step)
         print(f"Each rank has sent {step} chunk(s) = {sent:,} bytes; the whole all-reduce sends "
               f"2(N-1)/N x {self.nbytes:,} = {2 * (n - 1) * self.nbytes // n:,} bytes per rank.")

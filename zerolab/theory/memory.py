@@ -158,7 +158,7 @@ def gathered_working_set(largest_layer, precision="mixed") -> int:
 # ---- activations (chapter 1: why ZeRO alone does not make a model fit) ----
 
 def activation_memory(layers, hidden, heads, seq_len, micro_batch, checkpointing=False,
-                      dtype_bytes=2) -> int:
+                      dtype_bytes=2, flash_attention=False) -> int:
     """Bytes of activations a GPT-like transformer stores for backward, per rank.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation"), no tensor
@@ -177,6 +177,15 @@ def activation_memory(layers, hidden, heads, seq_len, micro_batch, checkpointing
         checkpointing:  layers * d * sbh + per_layer
         otherwise:      layers * per_layer
 
+    ``flash_attention=True``: a fused attention kernel (FlashAttention) never
+    stores the s x s scores; backward recomputes them from Q, K, V and keeps
+    only each row's softmax statistic (one fp32 log-sum-exp per head and
+    token), and the attention dropout mask is regenerated from the RNG state:
+
+        per_layer = sbh (16 d + 2) + 4 a s b
+
+    so the quadratic term disappears and activations grow linearly in s.
+
     Embeddings, the final LayerNorm and the logits are left out.
     """
     vals = dict(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
@@ -186,8 +195,11 @@ def activation_memory(layers, hidden, heads, seq_len, micro_batch, checkpointing
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     if dtype_bytes not in (1, 2, 4):
         raise ValueError(f"dtype_bytes must be one of (1, 2, 4), got {dtype_bytes!r}")
+    if not isinstance(flash_attention, bool):
+        raise ValueError(f"flash_attention must be True or False, got {flash_attention!r}")
     s, b, h, a, d = seq_len, micro_batch, hidden, heads, dtype_bytes
-    per_layer = s * b * h * (16 * d + 2) + a * s * s * b * (2 * d + 1)
+    attention = 4 * a * s * b if flash_attention else a * s * s * b * (2 * d + 1)
+    per_layer = s * b * h * (16 * d + 2) + attention
     if checkpointing:
         return layers * d * s * b * h + per_layer
     return layers * per_layer
