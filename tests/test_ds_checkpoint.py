@@ -1,0 +1,217 @@
+"""Reading DeepSpeed's own ZeRO checkpoints without DeepSpeed (zerolab/engine/ds_checkpoint.py, chapter 8).
+
+The fixtures under tests/fixtures/deepspeed/stage{1,2,3}/ were saved by
+DeepSpeed 0.19 on 2 CPU ranks (tests/fixtures/make_ds_checkpoints.py);
+``expected.pt`` next to each is DeepSpeed's own ``zero_to_fp32`` answer.
+Where DeepSpeed imports, one more test compares with it live.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerolab.engine import ds_checkpoint as dsc
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
+STAGES = (1, 2, 3)
+
+
+def expected(stage: int) -> dict:
+    return torch.load(FIXTURES / f"stage{stage}" / "expected.pt", weights_only=True)
+
+
+def mismatches(got: dict, want: dict) -> list[str]:
+    """Every difference between two state dicts: names, order, dtype, shape, values."""
+    out = []
+    if list(got) != list(want):
+        out.append(f"names/order: {list(got)} != {list(want)}")
+    for k in want:
+        if k not in got:
+            continue
+        a, b = got[k], want[k]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            out.append(f"{k}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}")
+        elif not torch.equal(a, b):
+            out.append(f"{k}: values differ")
+    return out
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A writable copy of a fixture checkpoint: ckpt(stage) -> its directory."""
+    def make(stage):
+        dest = tmp_path / f"stage{stage}"
+        shutil.copytree(FIXTURES / f"stage{stage}", dest)
+        return dest
+    return make
+
+
+def test_fixtures_are_tiny_and_from_deepspeed_019():
+    total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
+    assert total < 100_000, f"fixtures grew to {total} bytes"
+    for s in STAGES:
+        meta = json.loads((FIXTURES / f"stage{s}" / "meta.json").read_text())
+        assert meta["deepspeed"].startswith("0.19.") and meta["stage"] == s and meta["world_size"] == 2
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_reader_equals_deepspeeds_zero_to_fp32(stage):
+    got = dsc.deepspeed_fp32_state_dict(FIXTURES / f"stage{stage}")
+    assert not mismatches(got, expected(stage))
+    assert got["head.weight"] is got["emb.weight"], "a tied weight must stay one tensor, as DeepSpeed returns it"
+    assert got["emb.weight"].dtype == torch.float32
+    assert ("frozen.weight" in got) == (stage >= 2)   # DeepSpeed stores frozen weights from stage 2 on
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_explicit_tag_and_excluding_frozen(stage):
+    got = dsc.deepspeed_fp32_state_dict(FIXTURES / f"stage{stage}", tag="global_step2",
+                                        exclude_frozen_parameters=True)
+    want = {k: v for k, v in expected(stage).items() if k != "frozen.weight"}
+    assert not mismatches(got, want)
+
+
+def test_is_deepspeed_checkpoint(tmp_path):
+    for s in STAGES:
+        assert dsc.is_deepspeed_checkpoint(FIXTURES / f"stage{s}")
+        assert dsc.is_deepspeed_checkpoint(FIXTURES / f"stage{s}" / "global_step2")
+    assert not dsc.is_deepspeed_checkpoint(tmp_path)
+    assert not dsc.is_deepspeed_checkpoint(tmp_path / "missing")
+    (tmp_path / "t").mkdir()   # rank-file names, but not DeepSpeed's content
+    torch.save({"a": torch.ones(2)}, tmp_path / "t" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    torch.save({"b": torch.ones(2)}, tmp_path / "t" / "mp_rank_00_model_states.pt")
+    (tmp_path / "latest").write_text("t")
+    assert not dsc.is_deepspeed_checkpoint(tmp_path)
+
+
+def test_the_deepspeed_objects_become_plain_values():
+    f = FIXTURES / "stage1" / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    osd = dsc.load_restricted(f)["optimizer_state_dict"]
+    assert osd["zero_stage"] == 1 and type(osd["zero_stage"]) is int
+    assert type(osd["loss_scaler"]) is dict and osd["loss_scaler"]["cur_scale"] == 1.0
+    assert osd["param_slice_mappings"][0]["emb.weight"] == {"numel": 21, "start": 0}
+
+
+# ---------------------------------------------------------------- untrusted files
+def rewrite_pickle(path: Path, payload: bytes) -> None:
+    """Replace the data.pkl inside a torch zip checkpoint by ``payload`` (the tensors stay)."""
+    with zipfile.ZipFile(path) as z:
+        entries = [(info, z.read(info.filename)) for info in z.infolist()]
+    with zipfile.ZipFile(path, "w") as z:
+        for info, data in entries:
+            z.writestr(info, payload if info.filename.endswith("data.pkl") else data)
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("protocol", [2, 4])   # GLOBAL, and STACK_GLOBAL with memoized names
+def test_malicious_pickle_is_refused_naming_the_class(ckpt, tmp_path, protocol):
+    d = ckpt(2)
+    marker = tmp_path / "pwned"
+    victim = d / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    rewrite_pickle(victim, pickle.dumps({"optimizer_state_dict": Evil(marker)}, protocol=protocol))
+    with pytest.raises(dsc.UnsafeCheckpointError) as e:
+        dsc.deepspeed_fp32_state_dict(d)
+    msg = str(e.value)
+    assert "posix.system" in msg or "nt.system" in msg, msg
+    assert victim.name in msg and "refusing" in msg
+    assert not marker.exists(), "the payload ran"
+
+
+def test_torchs_restricted_unpickler_still_refuses_when_the_scan_is_bypassed(ckpt, tmp_path, monkeypatch):
+    """Planted bug: the pre-scan lets everything through; torch's weights_only unpickler is the second wall."""
+    d = ckpt(1)
+    marker = tmp_path / "pwned"
+    rewrite_pickle(d / "global_step2" / "mp_rank_00_model_states.pt", pickle.dumps(Evil(marker), protocol=2))
+    monkeypatch.setattr(dsc, "pickle_globals", lambda path: [])
+    with pytest.raises(dsc.UnsafeCheckpointError, match="mp_rank_00_model_states.pt"):
+        dsc.deepspeed_fp32_state_dict(d)
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- broken checkpoints name the problem
+def test_missing_rank_file(ckpt):
+    d = ckpt(2)
+    (d / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(ValueError, match="saved by 2 ranks but 1 '\\*_optim_states.pt' files"):
+        dsc.deepspeed_fp32_state_dict(d)
+
+
+def test_truncated_file(ckpt):
+    d = ckpt(3)
+    f = d / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=f"{f.name}.*(corrupt|cannot read)"):
+        dsc.deepspeed_fp32_state_dict(d)
+
+
+def test_files_from_two_checkpoints(ckpt):
+    d1, d3 = ckpt(1), ckpt(3)
+    for f in (d1 / "global_step2").glob("*_optim_states.pt"):
+        f.unlink()
+    for f in (d3 / "global_step2").glob("*_optim_states.pt"):
+        shutil.copy(f, d1 / "global_step2")
+    with pytest.raises(ValueError, match="stage 3 keeps one model-state file per rank: 2 expected, 1 found"):
+        dsc.deepspeed_fp32_state_dict(d1)
+
+
+def test_shapes_that_do_not_fit_the_partitions(ckpt):
+    """The model-state file of another model (one more parameter) with this model's optimizer files."""
+    d = ckpt(2)
+    f = d / "global_step2" / "mp_rank_00_model_states.pt"
+    sd = dsc.load_restricted(f)
+    sd["param_shapes"][0]["extra.weight"] = torch.Size([5, 5])
+    torch.save(sd, f)
+    with pytest.raises(ValueError, match="group 0: the model-state file lists 7 parameters.*do not match"):
+        dsc.deepspeed_fp32_state_dict(d)
+
+
+def test_no_latest_and_unknown_tag(tmp_path, ckpt):
+    with pytest.raises(FileNotFoundError, match="no 'latest' file"):
+        dsc.deepspeed_fp32_state_dict(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no directory for tag 'global_step9'"):
+        dsc.deepspeed_fp32_state_dict(ckpt(1), tag="global_step9")
+
+
+# ---------------------------------------------------------------- the comparison can fail
+@pytest.mark.parametrize("stage", STAGES)
+def test_planted_rank_order_swap_is_caught(stage, monkeypatch):
+    real = dsc.checkpoint_files
+    monkeypatch.setattr(dsc, "checkpoint_files", lambda d: (real(d)[0], real(d)[1][::-1]))
+    try:
+        got = dsc.deepspeed_fp32_state_dict(FIXTURES / f"stage{stage}")
+    except ValueError:
+        return
+    assert mismatches(got, expected(stage))
+
+
+def test_planted_stage3_floor_pieces_are_caught(monkeypatch):
+    monkeypatch.setattr(dsc, "stage3_piece", lambda numel, world: numel // world)
+    with pytest.raises(ValueError, match="do not match"):
+        dsc.deepspeed_fp32_state_dict(FIXTURES / "stage3")
+
+
+# ---------------------------------------------------------------- live, where DeepSpeed is installed
+@pytest.mark.parametrize("stage", STAGES)
+def test_live_against_deepspeed(stage, ckpt, capsys):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    z2f = pytest.importorskip("deepspeed.utils.zero_to_fp32")
+    d = ckpt(stage)
+    theirs = z2f.get_fp32_state_dict_from_zero_checkpoint(str(d))
+    ours = dsc.deepspeed_fp32_state_dict(d)
+    assert not mismatches(ours, theirs)
+    assert not mismatches(ours, expected(stage))
