@@ -184,6 +184,29 @@ WRONG = {
         # (ignoring gradient accumulation cannot change the answer: in the ring model communication
         # never falls as the stage rises, for any g; tests/test_plan.py checks that ordering)
     },
+    "08_reshard": {
+        "floor division for the new shard size": (
+            mutate("08_reshard", "reshard_pieces", ("-(-numel // old_n), -(-numel // new_n)",
+                                                    "-(-numel // old_n), max(1, numel // new_n)")),
+            {"pieces cover every element exactly once, never the padding",
+             "one unit, N to M, equals FlatParams' shards at M",
+             "a real engine's fp32 master, saved on 2 ranks, resharded to 1, 3 and 4"}),
+        "pieces run into the padding": (
+            mutate("08_reshard", "reshard_pieces", ("min(numel, (new_rank + 1) * new_s)", "(new_rank + 1) * new_s")),
+            {"pieces cover every element exactly once, never the padding"}),
+        "start in the new shard measured from the flat buffer": (
+            mutate("08_reshard", "reshard_pieces", ("lo - lo_new, hi - lo", "lo, hi - lo")),
+            {"pieces cover every element exactly once, never the padding",
+             "one unit, N to M, equals FlatParams' shards at M"}),
+        "every new rank gets new rank 0's pieces": (
+            mutate("08_reshard", "reshard_unit", ("reshard_pieces(numel, len(shards), new_n, q)",
+                                                  "reshard_pieces(numel, len(shards), new_n, 0)")),
+            {"one unit, N to M, equals FlatParams' shards at M",
+             "a real engine's fp32 master, saved on 2 ranks, resharded to 1, 3 and 4"}),
+        "cuts the old shard spaces at the new shard size": (
+            mutate("08_reshard", "reshard_shard_space", ("old_s = -(-numel // old_n)", "old_s = -(-numel // new_n)")),
+            {"a real engine's fp32 master, saved on 2 ranks, resharded to 1, 3 and 4"}),
+    },
 }
 
 

@@ -1,4 +1,4 @@
-"""Harnesses that plug a learner's exercise function into the real package (exercises 1-3, 7).
+"""Harnesses that plug a learner's exercise function into the real package (exercises 1-3, 7, 8).
 
 Each ``run_*`` function starts ranks with ``zl.launch``, calls the learner's
 function inside them exactly as the engine would call its own code, and
@@ -190,3 +190,60 @@ def run_config(config: dict, world_size: int = 2, timeout: float = 60) -> list:
     """Train one step of ``smoke_model()`` with ``config`` on ``world_size`` ranks; per rank the
     engine's stage, ``memory().total`` (between backward and step) and the loss."""
     return launch(_smoke_worker, world_size, args=(config,), timeout=timeout)
+
+
+# ---------------------------------------------------------------- exercise 8: resharding
+class ReshardNet(nn.Module):
+    """Three units of 22, 16 and 15 parameters: "rest" (input 5 -> 3 and head 3 -> 1) and two blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 3)
+        self.blocks = nn.ModuleList([nn.Linear(3, 4), nn.Linear(4, 3)])
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+def reshard_model() -> nn.Module:
+    torch.manual_seed(0)
+    return ReshardNet()
+
+
+def flat_shards(world_size: int, state: dict | None = None) -> tuple[list, list]:
+    """(unit numels, per rank the list of its per-unit shards) as zerolab's ``FlatParams`` lays
+    ``reshard_model()`` (with ``state`` loaded, if given) out on ``world_size`` ranks."""
+    from zerolab.engine.flat import FlatParams
+    shards = []
+    for rank in range(world_size):
+        model = reshard_model()
+        if state is not None:
+            model.load_state_dict(state)
+        flat = FlatParams(model, world_size, rank, torch.float32, "cpu")
+        shards.append([flat.own_view(flat.flat, u).clone() for u in flat.units])
+    return [u.numel for u in flat.units], shards
+
+
+def _master_worker(steps):
+    config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.05}}, "zero_optimization": {"stage": 1}}
+    engine = initialize(reshard_model(), config)
+    g = torch.Generator().manual_seed(engine.rank)
+    for _ in range(steps):
+        loss = engine(torch.randn(4, 5, generator=g)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    state = engine.full_state_dict()       # collective: every rank calls it
+    return {"master": [t.detach().clone() for t in engine.targets], "state": state}
+
+
+@functools.lru_cache(maxsize=None)
+def engine_master(world_size: int = 2, steps: int = 2, timeout: float = 60) -> list:
+    """Per rank of a ZeRO-1 engine (bf16, Adam) after ``steps`` steps of ``reshard_model()``: its
+    fp32 master, one tensor per unit (what its checkpoint file holds), and the consolidated
+    fp32 state dict. Cached: it does not depend on the learner's code."""
+    return launch(_master_worker, world_size, args=(steps,), timeout=timeout)
