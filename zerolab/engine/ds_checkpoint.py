@@ -126,12 +126,10 @@ def load_restricted(path) -> dict:
 
 
 def plain(obj):
-    """Replace the stand-ins by plain dicts, recursively (tensors untouched)."""
-    if isinstance(obj, PlainRecord):
-        return {k: plain(v) for k, v in obj.items()}
+    """Replace the stand-ins by plain dicts, recursively (tensors untouched; an OrderedDict stays one)."""
     if isinstance(obj, dict):
-        return type(obj)((k, plain(v)) for k, v in obj.items()) if type(obj) is not dict else {
-            k: plain(v) for k, v in obj.items()}
+        kind = dict if isinstance(obj, PlainRecord) else type(obj)
+        return kind((k, plain(v)) for k, v in obj.items())
     if isinstance(obj, list):
         return [plain(v) for v in obj]
     return obj
