@@ -77,6 +77,11 @@ def test_reader_equals_deepspeeds_zero_to_fp32(name):
     assert ("frozen.weight" in got) == (stage >= 2)   # DeepSpeed stores frozen weights from stage 2 on
 
 
+def test_the_tag_folder_itself():
+    got = dsc.deepspeed_fp32_state_dict(FIXTURES / "stage3" / "global_step2")
+    assert not mismatches(got, expected(3))
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_explicit_tag_and_excluding_frozen(stage):
     got = dsc.deepspeed_fp32_state_dict(FIXTURES / f"stage{stage}", tag="global_step2",

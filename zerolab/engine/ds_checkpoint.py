@@ -148,10 +148,12 @@ def checkpoint_files(tag_dir: Path) -> tuple[list[Path], list[Path]]:
 
 
 def resolve_tag_dir(checkpoint_dir, tag=None) -> Path:
-    """``<dir>/<tag>``, the tag read from ``<dir>/latest`` when not given."""
+    """``<dir>/<tag>``, the tag read from ``<dir>/latest`` when not given (``dir`` may be the tag folder)."""
     root = Path(checkpoint_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory {root} does not exist")
+    if tag is None and checkpoint_files(root)[1]:
+        return root
     if tag is None:
         latest = root / "latest"
         if not latest.is_file():
@@ -168,9 +170,8 @@ def is_deepspeed_checkpoint(checkpoint_dir, tag=None) -> bool:
     """True when ``checkpoint_dir`` (or its ``latest``/``tag`` subdirectory) holds a checkpoint saved by
     DeepSpeed: ZeRO rank files whose model states carry DeepSpeed's ``ds_version`` key. Reads only the
     small pickle of one model-state file, no tensor."""
-    root = Path(checkpoint_dir)
     try:
-        tag_dir = root if checkpoint_files(root)[0] else resolve_tag_dir(root, tag)
+        tag_dir = resolve_tag_dir(checkpoint_dir, tag)
     except FileNotFoundError:
         return False
     model, optim = checkpoint_files(tag_dir)
