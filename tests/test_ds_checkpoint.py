@@ -242,3 +242,21 @@ def test_live_against_deepspeed(name, tmp_path, capsys):
     ours = dsc.deepspeed_fp32_state_dict(d)
     assert not mismatches(ours, theirs)
     assert not mismatches(ours, expected(name))
+
+
+def _save_a_zerolab_checkpoint(path):
+    import zerolab as zl
+    from zerolab.book.models import MLP
+    engine = zl.initialize(MLP(), {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+                                   "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    engine.save_checkpoint(path)
+
+
+def test_a_zerolab_checkpoint_is_not_deepspeeds(tmp_path):
+    """Same file names as DeepSpeed's (zero_pp_rank_*_optim_states.pt), other content: not taken for DeepSpeed's."""
+    from zerolab.runtime.launch import launch
+    launch(_save_a_zerolab_checkpoint, 2, args=(str(tmp_path),), timeout=60)
+    assert list(tmp_path.glob("*/zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    assert not dsc.is_deepspeed_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="not a DeepSpeed model-state file"):
+        dsc.deepspeed_fp32_state_dict(tmp_path)
