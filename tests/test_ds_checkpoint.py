@@ -260,3 +260,28 @@ def test_a_zerolab_checkpoint_is_not_deepspeeds(tmp_path):
     assert not dsc.is_deepspeed_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="not a DeepSpeed model-state file"):
         dsc.deepspeed_fp32_state_dict(tmp_path)
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_consolidate_dispatches_to_the_reader(name):
+    from zerolab.engine.consolidate import consolidate_fp32
+    assert not mismatches(consolidate_fp32(FIXTURES / name), expected(name))
+
+
+def test_cli_consolidate_reads_deepspeed(tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "model.pt"
+    run = subprocess.run([sys.executable, "-m", "zerolab", "consolidate", str(FIXTURES / "stage3_world3"), str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert not mismatches(torch.load(out, weights_only=True), expected("stage3_world3"))
+    evil = tmp_path / "evil"
+    shutil.copytree(FIXTURES / "stage2", evil)
+    rewrite_pickle(evil / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                   pickle.dumps({"optimizer_state_dict": Evil(tmp_path / "pwned")}, protocol=2))
+    run = subprocess.run([sys.executable, "-m", "zerolab", "consolidate", str(evil), str(tmp_path / "o.pt")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+    assert "refusing to load" in run.stderr and "system" in run.stderr, run.stderr
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "o.pt").exists()
