@@ -174,7 +174,8 @@ class Engine(GradientBuckets):
             return
         scale = 1.0 / (self.world_size * (self.scaler.scale if self.scaler else 1.0))  # sum -> mean, unscale
         if self.config.gradient_clipping > 0:
-            sq = sum_of_squares(grads) * scale ** 2
+            # on the device the collective runs on: under optimizer offload the gradients are on the host
+            sq = (sum_of_squares(grads) * scale ** 2).to(self.flat.device)
             if self.shards_optimizer:
                 self.communicator.all_reduce(sq, tag="grad-norm")
             scale *= clip_coefficient(float(sq.sqrt()), self.config.gradient_clipping)
