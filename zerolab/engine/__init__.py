@@ -14,7 +14,7 @@ import dataclasses
 
 from torch import nn
 
-from zerolab.config import Config
+from zerolab.config import Config, ConfigError
 from zerolab.config.optimizer import check_optimizer_params
 from zerolab.config.zero import check_zeropp
 from zerolab.engine.base import Engine, make_communicator
