@@ -15,6 +15,9 @@ from zerolab.theory import bytes_per_param, comm_breakdown
 ADAM = {"type": "Adam", "params": {"lr": 1e-3}}
 
 
+BLOCKS = ["Block"]   # the wrap policy "rest + one unit per block": the prefetch tests reason in those units
+
+
 def engine_for(zero, prec="fp32", preset="micro", **extra):
     model = TinyGPT.preset(preset, seed=1)
     cfg = {"optimizer": ADAM, "zero_optimization": {"stage": 3, **zero}, **PRECISIONS[prec], **extra}
@@ -114,7 +117,7 @@ def live_worker(budgets):
     for prefetch, max_live in budgets:
         model, engine = engine_for({"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
                                     "stage3_prefetch_bucket_size": prefetch, "stage3_max_live_parameters": max_live},
-                                   preset="tiny")
+                                   preset="tiny", zerolab={"units": BLOCKS})
         seen = []   # gathered-unit bytes right after each unit's gather (and prefetch): real storage sizes
         hooks = [b.register_forward_pre_hook(lambda *_: seen.append(engine.memory().buffers)) for b in model.blocks]
         for step in range(2):
@@ -179,7 +182,7 @@ def test_gathered_parameters_and_debug_guard(debug):
 def timeline_worker(prefetch):
     rank = dist.get_rank()
     model, engine = engine_for({"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                                "stage3_prefetch_bucket_size": prefetch}, zerolab={"trace": True})
+                                "stage3_prefetch_bucket_size": prefetch}, zerolab={"trace": True, "units": BLOCKS})
     for step in range(2):
         engine.events.clear()
         x, y = synthetic_batch(model, 4, seed=3, step=step, rank=rank, world_size=2)
@@ -210,7 +213,8 @@ def test_prefetch_issues_the_next_unit_before_it_is_needed():
 def window_worker():
     rank = dist.get_rank()
     model, engine = engine_for({"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                                "stage3_prefetch_bucket_size": 1}, preset="tiny", zerolab={"trace": True})
+                                "stage3_prefetch_bucket_size": 1}, preset="tiny",
+                               zerolab={"trace": True, "units": BLOCKS})
     block = engine.flat.units[1].padded
     engine.prefetch_elements = block   # one block ahead
     for step in range(2):

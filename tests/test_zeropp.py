@@ -124,7 +124,10 @@ def _train(flags, steps, engine_cls=None, seed=1):
     model = TinyGPT.preset("micro", seed=seed)
     cfg = {"optimizer": {"type": "Adam", "params": {"lr": 3e-3}}, "bf16": {"enabled": True},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0, **flags}}
+                                 "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0, **flags},
+           # units "rest + blocks": every unit holds a matrix, so qgZ quantizes all of them, as _predicted
+           # assumes (with the default units the final norm is a unit of vectors: plain reduce-scatter)
+           "zerolab": {"units": ["Block"]}}
     e = zl.initialize(model, cfg)
     if engine_cls is not None:
         e.close()

@@ -36,7 +36,7 @@ TOP_IGNORED = ("steps_per_print", "wall_clock_breakdown", "flops_profiler", "act
                "seq_parallel_communication_data_type", "disable_allgather", "train_batch_size_per_gpu",
                "gradient_accumulation_dtype", "eigenvalue", "progressive_layer_drop", "nebula", "sparse_attention",
                "quantize_training", "weight_quantization", "hybrid_engine", "timers", "torch_autocast")
-ZEROLAB_KEYS = ("debug", "link", "trace") + tuple(ZEROPP_KEYS)   # zerolab's own section
+ZEROLAB_KEYS = ("debug", "link", "trace", "units") + tuple(ZEROPP_KEYS)   # zerolab's own section
 
 
 @dataclass
@@ -56,6 +56,7 @@ class Config:
     trace: bool = False
     qwz_group_size: int = ZEROPP_KEYS["qwz_group_size"]   # ZeRO++ quantization groups (config/zero.py)
     qgz_group_size: int = ZEROPP_KEYS["qgz_group_size"]
+    units: tuple[str, ...] | None = None    # stage 3's wrap policy: module class names that are units (None: default)
     ignored: tuple[str, ...] = ()           # DeepSpeed keys accepted but not implemented
     notes: tuple[str, ...] = ()
     gas_given: bool = field(default=True, repr=False, compare=False)   # was gradient_accumulation_steps set?
@@ -103,6 +104,7 @@ class Config:
             debug=read_bool(zl, "debug", "zerolab", False), link=read_link(zl), trace=read_bool(zl, "trace", "zerolab", False),
             **{k: read_int(zl, k, "zerolab", v, minimum=0 if k == "qgz_group_size" else 1)
                for k, v in ZEROPP_KEYS.items()},
+            units=read_units(zl),
             ignored=tuple(ignored), notes=tuple(notes),
             gas_given=read_int(top, "gradient_accumulation_steps", "", None, minimum=1) is not None)
         check_zeropp(cfg.zero, cfg.precision)
@@ -137,6 +139,18 @@ class Config:
             raise ConfigError(f"{rule}: {tbs} != {mbs} x {gas} x {w} = {mbs * gas * w}")
         return dataclasses.replace(self, train_batch_size=tbs, train_micro_batch_size_per_gpu=mbs,
                                    gradient_accumulation_steps=gas, gas_given=True)
+
+
+def read_units(zl: dict) -> tuple[str, ...] | None:
+    """``zerolab.units``: a list of module class names (the wrap policy; [] = one unit), or absent / null."""
+    units = zl.get("units")
+    if units is None:
+        return None
+    if isinstance(units, str) or not isinstance(units, (list, tuple)) or \
+            not all(isinstance(u, str) and u.isidentifier() for u in units):
+        raise ConfigError(f"zerolab.units: expected a list of module class names, e.g. [\"Block\", "
+                          f"\"Embedding\"] ([] = the whole model is one unit), got {units!r}")
+    return tuple(units)
 
 
 def auto_keys(raw, path: str = "") -> list[str]:

@@ -14,7 +14,7 @@ import dataclasses
 
 from torch import nn
 
-from zerolab.config import Config
+from zerolab.config import Config, ConfigError
 from zerolab.config.optimizer import check_optimizer_params
 from zerolab.config.zero import check_zeropp
 from zerolab.engine.base import Engine, make_communicator
@@ -31,11 +31,16 @@ __all__ = ["initialize", "gathered_parameters", "Engine", "Stage0Engine", "Stage
 ENGINES = {0: Stage0Engine, 1: Stage1Engine, 2: Stage2Engine, 3: Stage3Engine}
 
 
-def initialize(model: nn.Module, config, link=None) -> Engine:
+def initialize(model: nn.Module, config, link=None, *, model_parameters=None) -> Engine:
     """Wrap ``model`` in the engine for ``config``'s ZeRO stage (a dict, a path or a ``zl.Config``).
 
     Call it on every rank with the same model; rank 0's parameters and buffers
-    are broadcast to the others. Raises ``ConfigError`` / ``ValueError`` for
+    are broadcast to the others. A model built under ``with torch.device("meta"):``
+    is materialised unit by unit (stage 3: each rank only its shard; chapter 6), then
+    filled by ``engine.load_state_dict`` or its modules' ``reset_parameters()``.
+    ``model_parameters``: parameter groups as torch optimizers take them (a list of
+    parameters or of dicts with per-group ``lr``, ``weight_decay``...; the config's
+    optimizer params are the defaults). Raises ``ConfigError`` / ``ValueError`` for
     what the engine cannot do, before touching the model; if building the engine
     fails later (a bad ``nvme_path``), the model is put back as it was.
     """
@@ -52,7 +57,7 @@ def initialize(model: nn.Module, config, link=None) -> Engine:
         cls = offload_engine(cfg.zero)
     saved = ModelSnapshot(model)
     try:
-        engine = cls(model, cfg, communicator)
+        engine = cls(model, cfg, communicator, model_parameters=model_parameters)
     except BaseException:   # e.g. a bad nvme_path: put the model back as it was, so a retry works
         saved.restore()
         raise
@@ -111,19 +116,22 @@ def _check_supported(model: nn.Module, cfg) -> None:
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
         raise ValueError(f"all parameters must share one floating dtype; found {sorted(map(str, dtypes))}")
-    if any(p.is_meta for p in params):
-        raise ValueError("the model has parameters on the meta device; materialise them (e.g. to_empty + init) "
-                         "before zl.initialize")
+    if cfg.units is not None:
+        classes = {type(m).__name__ for m in model.modules()}
+        unknown = [c for c in cfg.units if c not in classes]
+        if unknown:
+            raise ConfigError(f"zerolab.units: no module of class {unknown} in the model; its classes are "
+                              f"{sorted(classes)}")
     storages = {}
     for name, p in model.named_parameters():
         ptr = p.untyped_storage().data_ptr()
-        if p.numel() == 0:
+        if p.numel() == 0 or p.is_meta:   # a meta parameter has no storage yet
             continue
         if ptr in storages and storages[ptr] is not p:
             raise ValueError(f"parameter {name!r} shares memory with another parameter (a view of it); the "
                              f"flat buffer would separate them. Tie modules by assigning the same nn.Parameter")
         storages[ptr] = p
-    devices = {p.device for p in params}
+    devices = {p.device for p in params if not p.is_meta}
     if len(devices) > 1:
         raise ValueError(f"all parameters must be on one device; found {sorted(map(str, devices))}")
     for name, m in model.named_modules():

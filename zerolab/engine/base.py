@@ -36,12 +36,24 @@ from zerolab.engine import events as ev
 from zerolab.runtime.comm import CommLedger, Communicator
 from zerolab.runtime.measure import MemoryReport, storage_bytes
 from zerolab.engine.flat import FlatParams
+from zerolab.engine.groups import resolve_groups, unit_runs
+from zerolab.engine.load import load_state_dict
+from zerolab.engine.materialize import check_initialised, materialize
 from zerolab.engine.buckets import GradientBuckets
 from zerolab.engine.state import consolidated_state_dict
 from zerolab.engine.checkpoint import save_16bit_model, save_checkpoint
 from zerolab.engine.checkpoint_load import load_checkpoint
 from zerolab.engine.optim import ShardedOptimizer, clip_coefficient, make_scheduler, sum_of_squares
 from zerolab.engine.precision import DynamicLossScaler, cast_floats, local_overflow, precision_of
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the flat buffer goes: the parameters' device; for a meta-device model the
+    current accelerator if there is one, else the CPU."""
+    for p in model.parameters():
+        if not p.is_meta:
+            return p.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def make_communicator(link=None) -> Communicator:
@@ -56,16 +68,25 @@ class Engine(GradientBuckets):
     shards_optimizer = False        # stages 1+: the optimizer holds only this rank's shard
     reduce_every_micro_step = False  # stage 2: gradients cannot wait for the boundary
 
-    def __init__(self, model: nn.Module, cfg, communicator: Communicator | None = None):
+    partitions_params = False        # stage 3: only this rank's shard of the parameters is allocated
+
+    def __init__(self, model: nn.Module, cfg, communicator: Communicator | None = None, model_parameters=None):
         self.module, self.config = model, cfg
         self.communicator = communicator or make_communicator(cfg.link)
         self.rank, self.world_size = self.communicator.rank, self.communicator.world_size
         self.precision = precision_of(cfg)
         self.gas = cfg.gradient_accumulation_steps
         self.overlap_comm = bool(cfg.zero.overlap_comm)
-        device = next(model.parameters()).device
+        device = model_device(model)
+        group_of, self.group_hypers = resolve_groups(model, model_parameters, cfg.optimizer.type,
+                                                     cfg.optimizer.params)
+        self.group_of = group_of
         self.flat = FlatParams(model, self.world_size, self.rank, self.precision.compute_dtype, device,
-                               persist_threshold=self.persist_threshold())
+                               persist_threshold=self.persist_threshold(), policy=cfg.units, group_of=group_of,
+                               sharded=self.partitions_params, fill=False)
+        # unit by unit: copy the model's values in, or build a meta-device model's (materialize.py)
+        keep = {i for i, u in enumerate(self.flat.units) if u.name == "persistent"}
+        self.uninitialised = materialize(self.flat, model, self.communicator, keep)
         for m in model.modules():  # buffers compute in the compute dtype too (as module.to(dtype))
             for k, b in m._buffers.items():
                 if b is not None and b.is_floating_point():
@@ -105,7 +126,14 @@ class Engine(GradientBuckets):
         else:
             self.master = None
             self.targets = [self.own(self.flat.flat, u) for u in units]
-        self.optimizer = ShardedOptimizer(self.config.optimizer.type, self.config.optimizer.params, self.targets)
+        self.optimizer = ShardedOptimizer(self.config.optimizer.type, self.config.optimizer.params, self.targets,
+                                          self.group_hypers, self.group_segments())
+
+    def group_segments(self):
+        """Per unit, the parameter-group runs of the elements this rank updates (None: one group)."""
+        if self.group_of is None:
+            return None
+        return [unit_runs(u, self.group_of, *self.flat.own_range(u, self.shards_optimizer)) for u in self.flat.units]
 
     def event(self, name: str, index: int = -1) -> None:
         if self.events is not None:
@@ -113,6 +141,8 @@ class Engine(GradientBuckets):
 
     # ---------------------------------------------------------------- the training loop
     def forward(self, *args, **kwargs):
+        if self.uninitialised:
+            check_initialised(self.uninitialised)
         if self.precision.compute_dtype != torch.float32:
             args, kwargs = cast_floats(args, self.precision.compute_dtype), cast_floats(kwargs, self.precision.compute_dtype)
         return self.module(*args, **kwargs)
@@ -221,8 +251,7 @@ class Engine(GradientBuckets):
         data from here on (chapter 3)."""
         if self.world_size == 1:
             return
-        c = self.communicator
-        c.broadcast(self.flat.flat, src=0, tag="init-params")
+        c = self.communicator   # the trainable parameters went unit by unit (materialize.py)
         for _, p in self.flat.frozen:
             c.broadcast(p.data, src=0, tag="init-frozen")
         for _, b in self.module.named_buffers():
@@ -278,6 +307,11 @@ class Engine(GradientBuckets):
     def save_16bit_model(self, save_dir, filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Collective: rank 0 writes the whole model in its compute dtype (gathered at stage 3)."""
         return save_16bit_model(self, save_dir, filename, exclude_frozen_parameters)
+
+    def load_state_dict(self, state_dict_or_path, strict: bool = True):
+        """Load a dict, a ``.pt`` or a ``.safetensors`` file (memory-mapped) into the parameters:
+        each rank copies only its own shard's elements (``engine/load.py``). Call on every rank."""
+        return load_state_dict(self, state_dict_or_path, strict)
 
     def close(self) -> None:
         """Remove the hooks (the model keeps its flat-buffer parameters)."""

@@ -1,24 +1,30 @@
 """Flat, padded per-unit buffers: the one mechanism under every ZeRO stage (chapters 3-6).
 
-A *unit* is a module whose parameters travel together: each block of the
-model's largest ``nn.ModuleList`` (a transformer's blocks) is a unit, and
-everything else (embeddings, final norm, head) is one more unit, ``"rest"``.
-A model without a ``ModuleList`` is a single unit.
+A *unit* is a group of parameters that travel together (one all-gather at
+stage 3). By default the units are what users expect: each block of the
+model's ``nn.ModuleList``s (a transformer's blocks) is a unit, and so is every
+other module that directly owns parameters (an embedding, the final norm, the
+head; each layer of an ``nn.Sequential``). The root module's own parameters,
+if any, are the unit ``"rest"``. ``{"zerolab": {"units": ["Block", ...]}}``
+replaces that rule with a wrap policy: modules of those class names are units
+(nested ones too), and what no listed module holds is ``"rest"``.
 
 All trainable parameters live in one flat buffer, unit after unit. Each
 unit's slice is padded with zeros to a multiple of N, so it splits into N
 equal *shards* of S = padded / N elements, and rank r owns the contiguous
 slice ``[r*S, (r+1)*S)`` of every unit:
 
-    flat   | rest: r0 r1 r2 | block0: r0 r1 r2 | block1: r0 r1 r2 |   (N = 3)
+    flat   | wte: r0 r1 r2 | blocks.0: r0 r1 r2 | blocks.1: r0 r1 r2 |   (N = 3)
 
 Concatenating the rank's shards of all units gives its *shard space*
 (``shard_numel`` = padded Ψ / N elements): the optimizer state, fp32 master
 weights and (stage 2) gradient shard are contiguous buffers in that space.
+Stage 3 allocates only that (``sharded=True``): ``full[i]`` is unit i's
+(padded,) buffer, holding no storage until the unit is gathered.
 
 Parameters become views into the flat buffer (``p.data = flat[a:b].view(shape)``),
 so the model computes with them unchanged. A parameter shared by two modules
-(tied weights) belongs to exactly one unit. Frozen parameters
+(tied weights) belongs to exactly one unit: the one above all its users. Frozen parameters
 (``requires_grad=False``) stay outside: they are not trained, so they need no
 gradient, shard or optimizer state, only the same value on every rank.
 """
@@ -33,7 +39,7 @@ from torch import nn
 @dataclass
 class Unit:
     """One module's trainable parameters inside the flat buffer."""
-    name: str                 # module path ("rest" for the leftovers)
+    name: str                 # module path ("rest": the root's own parameters; "persistent")
     params: list              # [(qualified name, nn.Parameter)], in layout order
     offset: int = 0           # first element in the flat buffer
     numel: int = 0            # parameter elements
@@ -43,23 +49,53 @@ class Unit:
     offsets: list = field(default_factory=list)  # per-param offset inside the unit
 
 
-def find_units(model: nn.Module) -> list[tuple[str, nn.Module | None]]:
-    """The units of ``model``: ``[("rest", None), (path, block), ...]``.
+def find_units(model: nn.Module, policy=None) -> list[tuple[str, nn.Module]]:
+    """The unit modules of ``model`` in module order: ``[("rest", model), (path, module), ...]``.
 
-    The blocks are the elements of the ``nn.ModuleList`` holding the most
-    parameters (``model.blocks`` in a GPT); ``None`` stands for "everything
-    not in a block".
+    Default: every element of an ``nn.ModuleList`` (not inside another block), and
+    every other module that directly owns parameters. ``policy``: class names; the
+    modules of those classes instead (nested ones too).
     """
-    best, best_count = None, 0
-    for path, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1:
-            count = sum(p.numel() for p in m.parameters())
-            if count > best_count:
-                best, best_count = (path, m), count
-    if best is None:
-        return [("rest", None)]
-    path, blocks = best
-    return [("rest", None)] + [(f"{path}.{i}" if path else str(i), b) for i, b in enumerate(blocks)]
+    units = [("rest", model)]
+
+    def visit(path, m, in_block):
+        for name, child in m.named_children():
+            cp = f"{path}.{name}" if path else name
+            if policy is not None:
+                unit, block = type(child).__name__ in policy, False
+            else:
+                block = not in_block and isinstance(m, nn.ModuleList)
+                unit = block or (not in_block and any(True for _ in child.parameters(recurse=False)))
+            if unit:
+                units.append((cp, child))
+            visit(cp, child, in_block or block)
+    visit("", model, False)
+    return units
+
+
+def unit_paths_of(model: nn.Module, policy=None) -> dict:
+    """id(param) -> the path of the unit that holds it: the nearest unit module at or above
+    its module — for a parameter several modules share (a tied embedding and head), above
+    their lowest common ancestor, so the unit is gathered around every use (as FSDP does)."""
+    paths = {p for p, _ in find_units(model, policy)} - {"rest"}
+    owners: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        mod = name.rpartition(".")[0].split(".") if "." in name else []
+        prev = owners.get(id(p))
+        if prev is None:
+            owners[id(p)] = mod
+        else:   # the common prefix of the owners' paths
+            k = 0
+            while k < min(len(prev), len(mod)) and prev[k] == mod[k]:
+                k += 1
+            owners[id(p)] = prev[:k]
+    out = {}
+    for key, parts in owners.items():
+        mod = ".".join(parts)
+        while mod and mod not in paths:
+            mod = mod.rpartition(".")[0]
+        out[key] = mod or "rest"
+    return out
 
 
 def pad_to(n: int, world_size: int) -> int:
@@ -67,22 +103,27 @@ def pad_to(n: int, world_size: int) -> int:
 
 
 class FlatParams:
-    """The model's trainable parameters as views into one flat padded buffer."""
+    """The model's trainable parameters as views into one flat padded buffer.
+
+    ``fill=False`` (the engine): lay out and allocate only; ``engine/materialize.py``
+    then fills the buffer unit by unit (and builds meta-device parameters).
+    ``group_of``: parameter id -> parameter group; a unit is laid out group by group."""
 
     def __init__(self, model: nn.Module, world_size: int, rank: int, dtype: torch.dtype, device,
-                 persist_threshold: int = 0):
+                 persist_threshold: int = 0, policy=None, group_of=None, sharded: bool = False, fill: bool = True):
         self.world_size, self.rank, self.dtype, self.device = world_size, rank, dtype, device
-        names = {id(p): n for n, p in model.named_parameters()}  # first name of each (tied) param
-        seen: set = set()
-        units = []
-        for uname, mod in find_units(model):
-            if mod is None:
-                continue
-            ps = [(names[id(p)], p) for p in mod.parameters() if p.requires_grad and id(p) not in seen]
-            seen.update(id(p) for _, p in ps)
-            units.append(Unit(uname, ps))
-        rest = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
-        units.insert(0, Unit("rest", rest))  # used first in forward (embeddings) and last in backward
+        self.sharded = sharded
+        self.policy = policy
+        self.shapes = {id(p): p.shape for p in model.parameters()}   # kept: stage 3 empties released params
+        where = unit_paths_of(model, policy)
+        by_path = {path: Unit(path, []) for path, _ in find_units(model, policy)}
+        for n, p in model.named_parameters():   # first name of each (tied) param
+            if p.requires_grad:
+                by_path[where[id(p)]].params.append((n, p))
+        units = list(by_path.values())
+        if group_of:
+            for u in units:
+                u.params.sort(key=lambda np_: group_of[id(np_[1])])
         if persist_threshold > 0:  # stage 3: params of <= threshold elements stay whole, in a unit of their own
             small = {id(p) for u in units for _, p in u.params if p.numel() <= persist_threshold}
             kept = [(n, p) for u in units for n, p in u.params if id(p) in small]
@@ -106,16 +147,28 @@ class FlatParams:
         self.padded = offset                            # Ψ rounded up unit by unit
         self.shard_numel = shard_offset                 # padded Ψ / N
 
-        # flat params, compute dtype: padded elements (padding stays zero)
-        self.flat = torch.zeros(self.padded, dtype=dtype, device=device)
-        with torch.no_grad():
-            for u in self.units:
-                for (_, p), off in zip(u.params, u.offsets):
-                    view = self.flat[u.offset + off: u.offset + off + p.numel()].view(p.shape)
-                    view.copy_(p.data)
-                    p.data = view
-            for _, p in self.frozen:
-                p.data = p.data.to(device=device, dtype=dtype)
+        if sharded:
+            # the rank's shard of every unit, compute dtype: padded Ψ / N elements (padding stays zero)
+            self.flat = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+            # per unit, compute dtype: (padded_u,) full buffer; 0 bytes of storage until gathered
+            self.full = [torch.empty(u.padded, dtype=dtype, device=device) for u in self.units]
+            for b in self.full:
+                b.untyped_storage().resize_(0)
+        else:
+            # flat params, compute dtype: padded elements (padding stays zero)
+            self.flat = torch.zeros(self.padded, dtype=dtype, device=device)
+            self.full = [self.unit_view(self.flat, u) for u in self.units]
+        self.unit_views = [None] * len(self.units)   # per unit: its params' views of full[i] (materialize.py)
+        if fill:
+            if sharded:
+                raise ValueError("FlatParams(sharded=True) is filled by zerolab.engine.materialize")
+            with torch.no_grad():
+                for i, u in enumerate(self.units):
+                    for (_, p), view in zip(u.params, self.views(i)):
+                        view.copy_(p.data)
+                        p.data = view
+                for _, p in self.frozen:
+                    p.data = p.data.to(device=device, dtype=dtype)
 
     # --- views -------------------------------------------------------------
     def params(self):
@@ -134,6 +187,15 @@ class FlatParams:
     def shard_view(self, shard_buf: torch.Tensor, u: Unit) -> torch.Tensor:
         """The unit's piece of a shard-space buffer: (S,)."""
         return shard_buf[u.shard_offset: u.shard_offset + u.shard]
+
+    def views(self, i: int) -> list[torch.Tensor]:
+        """Unit ``i``'s parameters as param-shaped views of its full buffer ``full[i]``."""
+        u, buf = self.units[i], self.full[i]
+        return [buf[off: off + p.numel()].view(p.shape) for (_, p), off in zip(u.params, u.offsets)]
+
+    def own_range(self, u: Unit, sharded: bool) -> tuple[int, int]:
+        """The elements of unit ``u`` this rank updates, in unit coordinates."""
+        return (self.rank * u.shard, (self.rank + 1) * u.shard) if sharded else (0, u.padded)
 
     def param_views(self, buf: torch.Tensor) -> dict:
         """id(param) -> the param-shaped view of a full-size buffer (e.g. gradients)."""

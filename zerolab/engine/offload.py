@@ -49,12 +49,13 @@ class OffloadOptimizer:
     """
 
     def __init__(self, kind, params, targets, has_master, off, rank=0, sub_group_size=10**9,
-                 key="zero_optimization.offload_optimizer"):
-        self.math = ShardedOptimizer(kind, params, [])   # validated hyper-parameters, torch.optim's maths
+                 key="zero_optimization.offload_optimizer", groups=None, segments=None):
+        # validated hyper-parameters (per parameter group), torch.optim's maths
+        self.math = ShardedOptimizer(kind, params, [], groups, segments)
         self.kind, self.targets, self.has_master, self.device = kind, targets, has_master, off.device
         self.lr, self.step_count = self.math.lr, 0
         self.read_error = None   # a failed NVMe read of this step, raised once every rank knows
-        moments = 2 if kind in ("adam", "adamw") else int(bool(self.math.momentum))  # m, v | momentum | none
+        moments = 2 if kind in ("adam", "adamw") else int(any(h.momentum for h in self.math.hypers))  # m, v | momentum | none
         self.slots = int(has_master) + moments                # fp32 arrays per element
         # pieces: (unit, start, end) tiles of each unit's shard, at most sub_group_size elements
         step_ = max(1, int(sub_group_size))
@@ -152,7 +153,8 @@ class OffloadOptimizer:
                 views = list(chunk.view(self.slots, b - a))   # [master,] m, v: (piece,) each
                 if self.has_master:
                     p, views = views[0], views[1:]
-                self._update(p, g, views, lr)
+                for s, e, h, lr_k in self.math.runs(i, a, b, lr):   # one run per parameter group
+                    self._update(p[s:e], g[s:e], [v[s:e] for v in views], lr_k, h)
                 if not self.params_in_place:
                     self.targets[i][a:b].copy_(p)     # host -> device: the updated piece (cast to compute dtype)
         except OSError as e:   # raised after the ranks agree (OffloadMixin.after_update): none is left waiting
@@ -170,17 +172,17 @@ class OffloadOptimizer:
                                              f"their new state ({held / 1e6:.1f} MB) is held in RAM and written at "
                                              f"the next step; training state is intact. Free disk space")
 
-    def _update(self, p, g, moments, lr):
+    def _update(self, p, g, moments, lr, h):
         m = self.math
         fused = FUSED_ADAM.get(self.kind)
         if fused is not None:
             step = torch.tensor(float(self.step_count))
-            fused([p], [g], [moments[0]], [moments[1]], [], [step], lr=lr, beta1=m.betas[0], beta2=m.betas[1],
-                  weight_decay=m.weight_decay, eps=m.eps, amsgrad=False, maximize=False)
+            fused([p], [g], [moments[0]], [moments[1]], [], [step], lr=lr, beta1=h.betas[0], beta2=h.betas[1],
+                  weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
         elif self.kind == "sgd":
-            m._sgd(p, g, moments[0] if moments else None, lr)
+            m._sgd(p, g, moments[0] if moments else None, lr, h)
         else:
-            m._adam(p, g, moments[0], moments[1], lr)
+            m._adam(p, g, moments[0], moments[1], lr, h)
 
     def edit_master(self, i: int, changed: torch.Tensor, new: torch.Tensor) -> None:
         """Parameters edited outside training (``gathered_parameters(modifier_rank=...)``): the
@@ -221,7 +223,8 @@ class OffloadMixin:
         self.targets = [self.own(self.flat.flat, u) for u in self.flat.units]
         self.optimizer = OffloadOptimizer(self.config.optimizer.type, self.config.optimizer.params, self.targets,
                                           self.precision.has_master, z.offload_optimizer, self.rank,
-                                          z.sub_group_size)
+                                          z.sub_group_size, groups=self.group_hypers,
+                                          segments=self.group_segments())
 
     # ---------------------------------------------------------------- gradients go to the host in backward
     def build_grads(self) -> None:

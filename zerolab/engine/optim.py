@@ -48,41 +48,69 @@ FUSED_ADAM = {"adam": getattr(torch, "_fused_adam_", None), "adamw": getattr(tor
 FUSED_DEVICES = ("cpu", "cuda")
 
 
-class ShardedOptimizer:
-    def __init__(self, kind: str, params: dict, targets: list[torch.Tensor]):
-        """kind: "adam" | "adamw" | "sgd"; params: torch.optim names (lr, betas, eps,
-        weight_decay, momentum, dampening, nesterov); targets: fp32 tensors to update."""
-        if kind not in ("adam", "adamw", "sgd"):
-            raise ValueError(f"optimizer.type {kind!r} is not supported; use Adam, AdamW or SGD")
+class Hyper:
+    """One parameter group's hyper-parameters (torch.optim's names), validated for ``kind``."""
+
+    def __init__(self, kind: str, params: dict):
         p = dict(params)
         unsupported = [k for k in ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable")
                        if p.pop(k, False)]
         if unsupported:
             raise ValueError(f"optimizer.params {unsupported} are not supported by zerolab's optimizer")
-        self.kind, self.targets = kind, targets
         d = OPTIMIZER_DEFAULTS[kind]   # DeepSpeed's defaults (config/defaults.py's table)
         self.lr = float(p.pop("lr", d["lr"]))
         self.weight_decay = float(p.pop("weight_decay", d["weight_decay"]))
-        n = sum(t.numel() for t in targets)
-        dev = targets[0].device if targets else "cpu"
         if kind in ("adam", "adamw"):
             self.betas = tuple(float(b) for b in p.pop("betas", d["betas"]))
             self.eps = float(p.pop("eps", d["eps"]))
-            self.exp_avg = torch.zeros(n, dtype=torch.float32, device=dev)      # m: fp32, shard numel
-            self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=dev)   # v: fp32, shard numel
-            self.state = [self.exp_avg, self.exp_avg_sq]
         else:
             self.momentum = float(p.pop("momentum", d["momentum"]))
             self.dampening = float(p.pop("dampening", d["dampening"]))
             self.nesterov = bool(p.pop("nesterov", d["nesterov"]))
             if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
                 raise ValueError("SGD nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
-            # momentum buffer: fp32, shard numel (none without momentum)
-            self.momentum_buf = torch.zeros(n if self.momentum else 0, dtype=torch.float32, device=dev)
-            self.state = [self.momentum_buf]
         if p:
             raise ValueError(f"unknown optimizer.params for {kind}: {sorted(p)}")
+
+
+class ShardedOptimizer:
+    def __init__(self, kind: str, params: dict, targets: list[torch.Tensor], groups: list[dict] | None = None,
+                 segments: list[list[tuple[int, int, int]]] | None = None):
+        """kind: "adam" | "adamw" | "sgd"; params: torch.optim names (lr, betas, eps,
+        weight_decay, momentum, dampening, nesterov); targets: fp32 tensors to update.
+        Parameter groups: ``groups[k]`` overrides ``params`` for group k and ``segments[i]``
+        cuts target i into runs ``(start, end, k)`` (default: one group, whole targets)."""
+        if kind not in ("adam", "adamw", "sgd"):
+            raise ValueError(f"optimizer.type {kind!r} is not supported; use Adam, AdamW or SGD")
+        self.kind, self.targets = kind, targets
+        default = Hyper(kind, params)
+        self.hypers = [Hyper(kind, {**params, **g}) for g in groups] if groups else [default]
+        self.segments = segments
+        self.__dict__.update(vars(default))   # lr, weight_decay, betas/eps or momentum/...: the config's
+        n = sum(t.numel() for t in targets)
+        dev = targets[0].device if targets else "cpu"
+        if kind in ("adam", "adamw"):
+            self.exp_avg = torch.zeros(n, dtype=torch.float32, device=dev)      # m: fp32, shard numel
+            self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=dev)   # v: fp32, shard numel
+            self.state = [self.exp_avg, self.exp_avg_sq]
+        else:
+            momentum = any(h.momentum for h in self.hypers)
+            # momentum buffer: fp32, shard numel (none without momentum)
+            self.momentum_buf = torch.zeros(n if momentum else 0, dtype=torch.float32, device=dev)
+            self.state = [self.momentum_buf]
         self.step_count = 0
+
+    def runs(self, i: int, a: int, b: int, lr: float):
+        """The group runs of elements [a, b) of target i: ``(start, end, hyper, lr)`` relative to a.
+        ``lr`` is the scheduled learning rate of the config's group; another group's scales with it."""
+        if self.segments is None:
+            yield 0, b - a, self.hypers[0], lr
+            return
+        for s, e, k in self.segments[i]:
+            s, e = max(s, a), min(e, b)
+            if s < e:
+                h = self.hypers[k]
+                yield s - a, e - a, h, (h.lr if lr == self.lr else lr * h.lr / self.lr if self.lr else lr)
 
     def _views(self, buf):
         out, off = [], 0
@@ -107,14 +135,16 @@ class ShardedOptimizer:
                 g = g.float()                       # fp32 copy of a 16-bit gradient: one unit, transient
             if scale != 1.0:
                 g.mul_(scale)   # pre-scaled (exact as torch's g * (1/N) * clip); grad_scale divides: last bits differ
-            if self.kind == "sgd":
-                self._sgd(p, g, views[0][i] if views else None, lr)
-            elif self.fusable(p, g, views[0][i]):
-                if step_t is None:
-                    step_t = torch.full((), float(self.step_count), dtype=torch.float32, device=p.device)
-                self.fused_adam(p, g, views[0][i], views[1][i], lr, step_t)
-            else:
-                self._adam(p, g, views[0][i], views[1][i], lr)
+            for a, b, h, lr_k in self.runs(i, 0, p.numel(), lr):   # one run per parameter group
+                pk, gk = p[a:b], g[a:b]
+                if self.kind == "sgd":
+                    self._sgd(pk, gk, views[0][i][a:b] if views else None, lr_k, h)
+                elif self.fusable(pk, gk, views[0][i]):
+                    if step_t is None:
+                        step_t = torch.full((), float(self.step_count), dtype=torch.float32, device=p.device)
+                    self.fused_adam(pk, gk, views[0][i][a:b], views[1][i][a:b], lr_k, step_t, h)
+                else:
+                    self._adam(pk, gk, views[0][i][a:b], views[1][i][a:b], lr_k, h)
             if after is not None:
                 after(i)
 
@@ -123,14 +153,16 @@ class ShardedOptimizer:
         return (FUSED_ADAM.get(self.kind) is not None and p.device.type in FUSED_DEVICES
                 and p.dtype == g.dtype == m.dtype == torch.float32 and p.device == g.device == m.device)
 
-    def fused_adam(self, p, g, m, v, lr, step_t):
+    def fused_adam(self, p, g, m, v, lr, step_t, h=None):
         """One Adam/AdamW update of p (and m, v) in one fused pass; ``step_t``: t as an fp32
         scalar tensor on p's device (the kernel reads t, it does not advance it)."""
-        FUSED_ADAM[self.kind]([p], [g], [m], [v], [], [step_t], lr=lr, beta1=self.betas[0], beta2=self.betas[1],
-                              weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False)
+        h = h or self.hypers[0]
+        FUSED_ADAM[self.kind]([p], [g], [m], [v], [], [step_t], lr=lr, beta1=h.betas[0], beta2=h.betas[1],
+                              weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
 
-    def _adam(self, p, g, m, v, lr):
-        b1, b2, wd = self.betas[0], self.betas[1], self.weight_decay
+    def _adam(self, p, g, m, v, lr, h=None):
+        h = h or self.hypers[0]
+        b1, b2, wd = h.betas[0], h.betas[1], h.weight_decay
         if wd and self.kind == "adamw":
             p.mul_(1 - lr * wd)
         elif wd:
@@ -138,18 +170,19 @@ class ShardedOptimizer:
         m.lerp_(g, 1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
         t = self.step_count
-        denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(self.eps)
+        denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(h.eps)
         p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
 
-    def _sgd(self, p, g, buf, lr):
-        if self.weight_decay:
-            g = g.add(p, alpha=self.weight_decay)
-        if buf is not None:
+    def _sgd(self, p, g, buf, lr, h=None):
+        h = h or self.hypers[0]
+        if h.weight_decay:
+            g = g.add(p, alpha=h.weight_decay)
+        if buf is not None and h.momentum:
             if self.step_count == 1:
                 buf.copy_(g)
             else:
-                buf.mul_(self.momentum).add_(g, alpha=1 - self.dampening)
-            g = g.add(buf, alpha=self.momentum) if self.nesterov else buf
+                buf.mul_(h.momentum).add_(g, alpha=1 - h.dampening)
+            g = g.add(buf, alpha=h.momentum) if h.nesterov else buf
         p.add_(g, alpha=-lr)
 
 

@@ -29,8 +29,8 @@ from zerolab.engine.nvme import MappedFile, check_nvme_path
 class ParamOffloadMixin:
     """Put in front of ``Stage3Engine``: its parameter shard moves to host RAM or NVMe."""
 
-    def __init__(self, model, cfg, communicator=None):
-        super().__init__(model, cfg, communicator)
+    def __init__(self, model, cfg, communicator=None, **kw):
+        super().__init__(model, cfg, communicator, **kw)
         off = cfg.zero.offload_param
         if self.param_shard.device.type != "cpu":
             raise ConfigError("zero_optimization.offload_param on an accelerator is not implemented yet in "

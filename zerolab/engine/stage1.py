@@ -32,10 +32,10 @@ class Stage1Engine(Stage0Engine):
     stage = 1
     shards_optimizer = True
 
-    def __init__(self, model, cfg, communicator=None):
+    def __init__(self, model, cfg, communicator=None, **kw):
         self._gathers = {}       # gather bucket -> issued all-gather, for the step in progress
         self._to_update = None   # gather bucket -> units still to update in this step (None: none issued)
-        super().__init__(model, cfg, communicator)
+        super().__init__(model, cfg, communicator, **kw)
 
     def own(self, buf: torch.Tensor, u) -> torch.Tensor:
         """The part of unit ``u`` this rank updates: its shard ``[r*S, (r+1)*S)``."""

@@ -2,9 +2,10 @@
 
 Stage 2 plus one idea: a rank only ever *updates* its shard of the
 parameters, so between uses it need not keep the rest. Each rank keeps
-``param_shard`` (padded Ψ / N elements, shard space); a unit (a transformer
-block; "rest" for embeddings, final norm and head) is made whole only while
-it computes:
+``param_shard`` (padded Ψ / N elements, shard space, allocated as such from
+the start: the model is never whole on a rank, ``materialize.py``); a unit (a
+transformer block, an embedding, a norm; ``flat.find_units``) is made whole
+only while its module computes:
 
     forward pre-hook     gather_params(unit)      all-gather its shards into a (padded_u,) buffer
                          prefetch()               start the next units' all-gathers (async)
@@ -37,6 +38,7 @@ from torch import nn
 
 from zerolab.engine import events as ev
 from zerolab.runtime.measure import storage_bytes
+from zerolab.engine.flat import find_units
 from zerolab.engine.prefetch import UnitTrace
 from zerolab.engine.gathered import GatheredMixin, ReleasedParameter
 from zerolab.engine.stage2 import Stage2Engine
@@ -48,31 +50,23 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
     def persist_threshold(self) -> int:
         return self.config.zero.stage3_param_persistence_threshold
 
-    def own(self, buf: torch.Tensor, u) -> torch.Tensor:
-        """This rank's shard of unit ``u``: in a full-size buffer (at initialize) or in shard space
-        (the parameters, afterwards: stage 3 keeps no full-size parameter buffer)."""
-        if buf.numel() == self.flat.shard_numel:
-            return self.flat.shard_view(buf, u)
-        return self.flat.own_view(buf, u)
+    partitions_params = True   # the flat buffer is this rank's shard from the start (engine/flat.py)
 
-    def __init__(self, model: nn.Module, cfg, communicator=None):
-        super().__init__(model, cfg, communicator)  # stage 2 on the full flat buffer, then partition it:
+    def own(self, buf: torch.Tensor, u) -> torch.Tensor:
+        """This rank's shard of unit ``u`` in a shard-space buffer (stage 3 has no full-size one)."""
+        return self.flat.shard_view(buf, u)
+
+    def __init__(self, model: nn.Module, cfg, communicator=None, **kw):
+        super().__init__(model, cfg, communicator, **kw)   # stage 2 on the rank's shard of the flat buffer
         flat, z, units = self.flat, cfg.zero, self.flat.units
-        full = flat.flat
         # the rank's parameters, compute dtype: padded Ψ / N elements (its shard of every unit)
-        self.param_shard = torch.cat([flat.own_view(full, u) for u in units])
-        if self.master is None:  # fp32: the shard is the optimizer's update target itself
-            self.targets = [flat.shard_view(self.param_shard, u) for u in units]
-            self.optimizer.targets = self.targets
+        self.param_shard = flat.flat
         # per unit, compute dtype: (padded_u,) full buffer; 0 bytes of storage while released
-        self._full = [flat.unit_view(full, u).clone() for u in units]
-        self._views = [[(p, self._full[i][off: off + p.numel()].view(p.shape))
-                        for (_, p), off in zip(u.params, u.offsets)] for i, u in enumerate(units)]
-        for i, u in enumerate(units):
-            for (name, p), (_, v) in zip(u.params, self._views[i]):
-                p.data, p._zl_name, p._zl_class = v, name, type(p)
-        flat.flat = self.param_shard  # the full flat buffer is gone
-        del full
+        self._full = flat.full
+        self._views = [list(zip((p for _, p in u.params), flat.unit_views[i])) for i, u in enumerate(units)]
+        for u in units:
+            for name, p in u.params:
+                p._zl_name, p._zl_class = name, type(p)
 
         self.persistent = {i for i, u in enumerate(units) if u.name == "persistent"}
         self._unit_of = {id(p): i for i, u in enumerate(units) for _, p in u.params}
@@ -95,15 +89,12 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         if self.events is not None:
             self.events.clear()
 
-        # hooks: the root module holds "rest"; each block its unit (plus units of tied params it uses)
+        # hooks: each unit's module gathers its unit around its forward and backward; the root
+        # also starts and ends the step; a module using a (tied) parameter of another unit gathers it too
+        self._module_hooks = []
         self._root_units = [i for i, u in enumerate(units) if u.name == "rest"]
-        self._module_hooks = self._hook(model, self._root_units, root=True)
-        for i, u in enumerate(units):
-            if u.name not in ("rest", "persistent"):
-                m = model.get_submodule(u.name)
-                deps = sorted({self._unit_of[id(p)] for p in m.parameters() if id(p) in self._unit_of}
-                              - self.persistent)
-                self._module_hooks += self._hook(m, deps, root=False, index=i)
+        for module, deps, root, index in unit_hooks(model, flat, self._unit_of, self.persistent):
+            self._module_hooks += self._hook(module, deps, root=root, index=index)
 
     # ---------------------------------------------------------------- gather, release, prefetch
     def gather_params(self, units) -> None:
@@ -196,10 +187,13 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         if self._tracing:
             self.prefetch()
 
-    def _release_all(self) -> None:
+    def release_all(self) -> None:
+        """Release every gathered unit (not the persistent one)."""
         for i in list(self._inflight) + list(self._gathered):
             if i not in self.persistent:
                 self.release_params(i)
+
+    _release_all = release_all
 
     # ---------------------------------------------------------------- hooks
     def _hook(self, module: nn.Module, units: list, root: bool, index: int = -1) -> list:
@@ -207,9 +201,12 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         def pre_forward(_, args):
             if root:
                 self._release_all()   # anything left by a forward that had no backward
-                self._tracing = torch.is_grad_enabled()
+                # a training forward records the unit order (and prefetches along it); an eval or
+                # no_grad forward (validation, generation) releases everything when it ends
+                self._tracing = torch.is_grad_enabled() and self.module.training
                 if self._tracing:
                     self.trace.start()
+                if torch.is_grad_enabled():
                     self._grads_left = list(self._n_params)
             self._use(units)
             self.event(ev.FORWARD_START if root else ev.UNIT_FWD_START, index)   # compute starts now
@@ -270,14 +267,46 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         """Stage 2's report; params add the persistent unit, buffers the gathered units."""
         r = super().memory()
         r.params += sum(storage_bytes(self._full[i]) for i in self.persistent)
-        r.buffers += sum(storage_bytes(b) for i, b in enumerate(self._full) if i not in self.persistent)
+        r.gathered = sum(storage_bytes(b) for i, b in enumerate(self._full) if i not in self.persistent)
+        r.buffers += r.gathered
         return r
 
     def close(self) -> None:
+        """Collective: gather every unit for good and remove the hooks, leaving a plain model
+        (parameters in the compute dtype, each unit's full buffer) that works without the engine."""
+        if not self._module_hooks:
+            return
+        self.gather_params([i for i in range(len(self.flat.units)) if i not in self.persistent])
         for h in self._module_hooks:
             h.remove()
         self._module_hooks = []
         super().close()
+
+
+def unit_hooks(model: nn.Module, flat, unit_of: dict, persistent: set):
+    """``(module, units, is_root, unit index)`` for every module that gathers something: the
+    root (its own "rest" unit), each unit's module (its unit), and any other module that
+    directly owns a parameter of a unit other than the one it sits in (a tied head)."""
+    index = {u.name: i for i, u in enumerate(flat.units)}
+    rest = [index["rest"]] if "rest" in index else []
+    out = [(model, [i for i in rest if i not in persistent], True, -1)]
+    where = {}   # module path -> the unit path it sits in
+    for path, _ in find_units(model, flat.policy):
+        where[path] = path
+    for path, m in model.named_modules():
+        if not path:
+            continue
+        home = path
+        while home and home not in where:
+            home = home.rpartition(".")[0]
+        home = home or "rest"
+        if path == home and home in index and index[home] not in persistent:
+            out.append((m, [index[home]], False, index[home]))
+        own = {unit_of[id(p)] for p in m.parameters(recurse=False) if id(p) in unit_of}
+        extra = sorted(own - {index.get(home)} - persistent)
+        if extra:
+            out.append((m, extra, False, -1))
+    return out
 
 
 def _tensors(x):

@@ -102,12 +102,12 @@ def deepspeed_group(shapes: list, world_size: int) -> int:
 class ZeroPPEngine(Stage3Engine):
     """ZeRO-3 with qwZ, hpZ and qgZ (any combination)."""
 
-    def __init__(self, model, cfg, communicator=None):
+    def __init__(self, model, cfg, communicator=None, **kw):
         z = cfg.zero
         self.qwz, self.qgz, self.hpz = z.zero_quantized_weights, z.zero_quantized_gradients, z.zero_hpz_partition_size
         self.qwz_group = cfg.qwz_group_size
         self._exact = False   # inside gathered(): 16-bit gathers, so reads and edits see the true weights
-        super().__init__(model, cfg, communicator)
+        super().__init__(model, cfg, communicator, **kw)
         c, units = self.communicator, self.flat.units
         self.hpz_comm = c.node_subgroup(self.hpz) if self.hpz > 1 else None
         # hpZ: per unit, compute dtype: padded_u / H elements, this rank's slice of its H-rank partition

@@ -141,7 +141,7 @@ def engine_shards(fn, world_size: int) -> list:
     for rank in range(world_size):
         model = partition_model()
         originals = [p.detach().clone() for p in model.parameters()]
-        flat = FlatParams(model, world_size, rank, torch.float32, "cpu")
+        flat = FlatParams(model, world_size, rank, torch.float32, "cpu", policy=())   # the whole model: one unit
         (unit,) = flat.units
         out.append((flat.own_view(flat.flat, unit).clone(), fn(originals, world_size, rank)))
     return out

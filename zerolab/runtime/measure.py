@@ -167,6 +167,7 @@ class MemoryReport:
     buffers: int = 0
     host: int = 0
     nvme: int = 0
+    gathered: int = 0   # of buffers: stage 3's gathered (full) units held right now
 
     @property
     def total(self) -> int:

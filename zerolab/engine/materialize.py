@@ -1,0 +1,145 @@
+"""Filling the flat buffer unit by unit; models built on the meta device (chapter 6).
+
+``zl.initialize`` accepts a model built under ``with torch.device("meta"):`` —
+parameters with a shape and no storage, the role of DeepSpeed's
+``zero.Init`` and FSDP2's meta-device initialisation. ``materialize`` walks
+the units in order and, for each one:
+
+    1. gives the unit its full (padded,) buffer (stage 3: allocated now, one unit)
+    2. points each parameter at its slice; a built parameter's values are copied in,
+       a meta one's module runs ``reset_parameters()`` (rank 0; every direct parameter
+       of the module must be in this unit), else the parameter is marked uninitialised
+    3. broadcasts the buffer from rank 0 (stage 3; stages 0-2 broadcast the flat
+       buffer once, at the end), keeps this rank's shard, frees the buffer (stage 3)
+
+so a rank never holds more than its shard plus one unit, whatever the model's
+size. Frozen parameters and buffers on the meta device are materialised whole by
+their module the same way. An uninitialised tensor must come from
+``engine.load_state_dict`` before the first forward (``check_initialised``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def direct_owners(model: nn.Module) -> dict:
+    """id(param) -> the modules that own it directly (a tied parameter has several)."""
+    out: dict = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            out.setdefault(id(p), []).append(m)
+    return out
+
+
+@torch.no_grad()
+def materialize(flat, model: nn.Module, communicator, keep=()) -> set:
+    """Fill ``flat`` from the model (copy, or build meta parameters); return the names of
+    tensors left uninitialised (meta, and no ``reset_parameters`` could build them).
+    ``keep``: unit indices whose full buffer stays allocated (stage 3's persistent unit)."""
+    rank, world = communicator.rank, communicator.world_size
+    names = {}
+    for n, p in model.named_parameters():
+        names.setdefault(id(p), n)
+    owners = direct_owners(model)
+    pending = {id(p) for _, p in model.named_parameters() if p.is_meta}
+    frozen = {id(p) for _, p in flat.frozen}
+    meta_buffers = set()   # (module id, buffer name): no values unless a BatchNorm's reset fills them
+    uninit: set = set()
+    for mname, m in model.named_modules():
+        for k, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[k] = torch.zeros(b.shape, dtype=b.dtype, device=flat.device)
+                meta_buffers.add((id(m), k))
+                uninit.add(f"{mname}.{k}" if mname else k)
+    norm_stats = {}   # BatchNorm-like modules: reset_parameters() resets the running statistics too
+    for mname, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase):
+            norm_stats[id(m)] = [f"{mname}.{k}" if mname else k for k in m._buffers if (id(m), k) in meta_buffers]
+
+    def build(members: set, modules) -> None:
+        """Reset the modules whose direct parameters are all among ``members`` (rank 0)."""
+        for m in modules:
+            own = list(m.parameters(recurse=False))
+            if not any(id(p) in pending for p in own) or not all(id(p) in members for p in own):
+                continue
+            for p in own:
+                if p.is_meta:   # a frozen parameter of this module: whole, on the flat buffer's device
+                    set_data(p, torch.zeros(p.shape, dtype=flat.dtype, device=flat.device))
+            if hasattr(m, "reset_parameters"):
+                if rank == 0:
+                    m.reset_parameters()
+                pending.difference_update(id(p) for p in own)
+                uninit.difference_update(norm_stats.get(id(m), ()))
+
+    def place(i: int) -> None:
+        """Give unit i its full buffer and point its parameters at their slices of it."""
+        if flat.sharded:
+            buf = flat.full[i]
+            buf.untyped_storage().resize_(flat.units[i].padded * buf.element_size())   # (padded_u,): one unit
+            buf.zero_()
+        flat.unit_views[i] = flat.views(i)   # made while the buffer has storage (stage 3 reuses them)
+        for (_, p), view in zip(flat.units[i].params, flat.unit_views[i]):
+            if not p.is_meta:
+                view.copy_(p.data)
+            set_data(p, view)
+
+    def share(i: int) -> None:
+        """Stage 3: rank 0's values to every rank; keep this rank's shard; free the buffer."""
+        u, buf = flat.units[i], flat.full[i]
+        if flat.sharded:
+            if world > 1:
+                communicator.broadcast(buf, src=0, tag="init-params")
+            flat.shard_view(flat.flat, u).copy_(buf[rank * u.shard: (rank + 1) * u.shard])
+            if i not in keep:
+                buf.untyped_storage().resize_(0)
+
+    # kept units (stage 3's persistent small params: a Linear's bias, its weight elsewhere) are
+    # placed first and shared last, so a module's reset_parameters can write into both
+    kept = {id(p) for i in keep for _, p in flat.units[i].params}
+    for i in sorted(keep):
+        place(i)
+    for i, u in enumerate(flat.units):
+        if i in keep:
+            continue
+        place(i)
+        members = {id(p) for _, p in u.params} | frozen | kept
+        build(members, {id(m): m for _, p in u.params for m in owners[id(p)]}.values())
+        share(i)
+    for i in sorted(keep):
+        build(kept | frozen, {id(m): m for _, p in flat.units[i].params for m in owners[id(p)]}.values())
+        share(i)
+    if not flat.sharded and world > 1:
+        communicator.broadcast(flat.flat, src=0, tag="init-params")
+
+    for _, p in flat.frozen:   # frozen parameters whose modules hold no trainable ones (a LoRA base layer)
+        if p.is_meta:
+            build(frozen, owners[id(p)])
+    for n, p in flat.frozen:
+        if p.is_meta:
+            set_data(p, torch.zeros(p.shape, dtype=flat.dtype, device=flat.device))
+        elif p.device != flat.device or p.dtype != flat.dtype:
+            p.data = p.data.to(device=flat.device, dtype=flat.dtype)
+    uninit.update(names[i] for i in pending)
+    return uninit
+
+
+def set_data(p: nn.Parameter, t: torch.Tensor) -> None:
+    """``p.data = t``; a meta parameter cannot take real data that way, so the tensors are
+    swapped in place (``torch.utils.swap_tensors``): ``p`` stays the same Python object,
+    so parameter groups and optimizers built on the meta model still refer to it."""
+    if p.is_meta:   # a placeholder first: p must not share t's version counter (autograd checks it)
+        torch.utils.swap_tensors(p, nn.Parameter(t.new_empty(0), requires_grad=p.requires_grad))
+    p.data = t
+
+
+def check_initialised(uninit: set) -> None:
+    """Raise if tensors of a meta-device model never got values."""
+    if uninit:
+        names = sorted(uninit)
+        raise RuntimeError(
+            f"the model was built on the meta device and {len(names)} tensor(s) have no values: "
+            f"{names[:5]}{' ...' if len(names) > 5 else ''}. Their modules have no reset_parameters() (or "
+            f"share a parameter with another unit); load them with engine.load_state_dict(state_dict_or_path) "
+            f"before the first forward (a buffer that is not in the state dict, registered with persistent=False, "
+            f"must be set on the module after zl.initialize)")
