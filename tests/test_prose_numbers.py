@@ -54,6 +54,7 @@ SKIP = [
     ("", r"-?(?!x\b)[A-Za-z_]", "glued to letters: 3D, 2nd, 16-bit, 4-byte (a ratio 3x is checked)"),
     ("", r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]", "a power of ten written 10⁹, 10⁻³: a unit definition or an order of magnitude"),
     (r"^\s*$", r"\.\s", "an ordered-list marker (1. 2. 3.)"),
+    (r"\w#$", "", "an issue or pull request cited as a source: NVIDIA/nccl#1031"),
     (r"(?i)\b(deepspeed|torch|pytorch|python|version|v)\s*$", "", "a software version: DeepSpeed 0.19"),
 ]
 
