@@ -33,7 +33,6 @@ PENDING = {               # chapter stem -> why it is not enforced yet (issue 15
     "02_collectives": "issue 15: chapter 2 was being edited on another branch (models)",
     "06_zero3": "issue 15: chapter 6 was being edited on another branch (bigmodel)",
     "07_offload": "issue 15: chapter 7 was being edited on another branch (models)",
-    "09_zeropp": "issue 15: chapter 9 was being edited on another branch (zeropp)",
     "11_interview": "issue 15: chapter 11 was being edited on another branch (models)",
 }
 
