@@ -259,3 +259,34 @@ def label(kind: str, stage: int, extra: str = "") -> str:
 
 def build(kind: str, preset: str, stage: int, cfg: dict) -> Runner:
     return KINDS[kind](preset, stage, cfg)
+
+
+def fsdp_beside_ours(preset: str = "micro", steps: int = 3, batch_per_rank: int = 2) -> dict:
+    """Inside a launched rank (chapter 10, "FSDP beside ZeRO"): our ZeRO-3 and FSDP2 ``fully_shard``
+    trained on the same batches from the same initial parameters; the largest parameter difference
+    and the bytes each keeps per rank for parameters and optimizer state (local shards only)."""
+    from zerolab.book.models import synthetic_batch
+    rank, n = dist.get_rank(), dist.get_world_size()
+    cfg = ds_config(3, batch_per_rank, stage3_param_persistence_threshold=0)   # FSDP2 keeps nothing whole
+    runners = {kind: build(kind, preset, 3, cfg) for kind in ("ours", "fsdp2")}
+    start = runners["ours"].full_params()
+    for step in range(steps):
+        for r in runners.values():
+            x, y = synthetic_batch(r.model, batch_per_rank * n, step=step, rank=rank, world_size=n)
+            r.step(x, y)
+    full = {kind: r.full_params() for kind, r in runners.items()}
+    fsdp = runners["fsdp2"]
+    local = [p.to_local() for p in fsdp.model.parameters()]
+    state = [t for s in fsdp.opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    mem = runners["ours"].engine.memory()
+    out = {"rank": rank, "psi": fsdp.psi,
+           "max_abs_diff": max(float((full["ours"][k] - full["fsdp2"][k]).abs().max()) for k in fsdp.names),
+           "moved": max(float((full["ours"][k] - start[k]).abs().max()) for k in fsdp.names),
+           "bytes": {"ours": {"params": mem.params, "optimizer": mem.optimizer},
+                     "fsdp2": {"params": sum(t.numel() * t.element_size() for t in local),
+                               "optimizer": sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local")
+                                                else t.numel() * t.element_size() for t in state)}},
+           "fsdp_param_type": type(next(fsdp.model.parameters())).__name__}
+    for r in runners.values():
+        r.close()
+    return out

@@ -39,13 +39,19 @@ def node_links(link) -> dict | None:
     return None if one is None else {"intra": one, "inter": one}
 
 
+def node_layout(n: int, k: int) -> tuple[list, list]:
+    """(intra-node rank lists, inter-node rank lists) for N = ``n`` ranks, K = ``k`` per node (no process groups)."""
+    m = n // k
+    return [[a * k + b for b in range(k)] for a in range(m)], [[a * k + b for a in range(m)] for b in range(k)]
+
+
 def node_groups(n: int, k: int):
     """(this rank's intra-node group, its inter-node group) for N = ``n`` ranks, K = ``k`` per node."""
     key = ("nodes", n, k, id(dist.group.WORLD))
     if key not in _GROUPS:
-        m = n // k
-        intra, _ = dist.new_subgroups_by_enumeration([[a * k + b for b in range(k)] for a in range(m)])
-        inter, _ = dist.new_subgroups_by_enumeration([[a * k + b for a in range(m)] for b in range(k)])
+        intra_lists, inter_lists = node_layout(n, k)
+        intra, _ = dist.new_subgroups_by_enumeration(intra_lists)
+        inter, _ = dist.new_subgroups_by_enumeration(inter_lists)
         _GROUPS[key] = (intra, inter)
     return _GROUPS[key]
 
