@@ -35,7 +35,6 @@ PENDING = {               # chapter stem -> why it is not enforced yet (issue 15
     "07_offload": "issue 15: chapter 7 was being edited on another branch (models)",
     "09_zeropp": "issue 15: chapter 9 was being edited on another branch (zeropp)",
     "10_in_practice": "issue 15: chapter 10 was being edited on another branch (models)",
-    "11_interview": "issue 15: chapter 11 was being edited on another branch (models)",
 }
 
 NUMBER = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(e[-+]?\d+)?"
