@@ -89,7 +89,7 @@ def test_extra_does_not_double_count():
 def test_memory_report_arithmetic_and_table():
     r = MemoryReport(params=10, grads=20, optimizer=30, buffers=5, host=7, nvme=1)
     assert r.total == 60
-    assert r.as_dict() == dict(params=10, grads=20, optimizer=30, buffers=5, host=7, nvme=1, total=60)
+    assert r.as_dict() == dict(params=10, grads=20, optimizer=30, buffers=5, host=7, nvme=1, gathered=0, total=60)
     s = MemoryReport(params=1, grads=40, optimizer=3, buffers=9, host=0, nvme=2)
     assert MemoryReport.max([r, s]) == MemoryReport(10, 40, 30, 9, 7, 2)
     assert MemoryReport.sum([r, s]).total == 104
