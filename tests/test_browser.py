@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 
 NOTEBOOK = REPO / "chapters" / "01_memory.ipynb"
 ARTIFACTS = REPO / "artifacts" / "browser"
-CHART = ".widget-output .jp-RenderedImage img"
+CHART = ".widget-output img[src^='data:image/png']"   # PNG or the alt-text HTML <img>
 PSI = ".zl-psi .noUi-handle[role=slider]"
 
 
@@ -88,7 +88,7 @@ def test_memory_explorer_reacts_in_jupyterlab(tmp_path):
         assert psi > psi0, (psi0, psi)
         # every key press is a redraw in the kernel: wait until the caption under the
         # chart names the slider's final Ψ, then until the image settles
-        caption = page.locator(".widget-output", has=page.locator(".jp-RenderedImage img")).first
+        caption = page.locator(".widget-output", has=page.locator("img[src^='data:image/png']")).first
         expect(caption).to_contain_text(f"Ψ = {format_params(psi)} parameters, N = 64.", timeout=20_000)
         after = wait_image_stable(page, CHART, differs_from=before)
         marks["redrawn"] = time.monotonic() - t0
