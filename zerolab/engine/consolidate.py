@@ -14,12 +14,12 @@ extension asks for it (and the package is installed), else ``torch.save``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
 import torch
 
+from zerolab.engine import ds_checkpoint
 from zerolab.engine.checkpoint_io import MANIFEST, CheckpointError, check_tag_dir, read_manifest, resolve_tag
 from zerolab.engine.reshard import SavedCheckpoint, consolidate
 
@@ -49,14 +49,6 @@ def zerolab_fp32_state_dict(checkpoint_dir, tag=None) -> dict:
         saved.close()
 
 
-def _deepspeed_reader():
-    """``zerolab.engine.ds_checkpoint`` (DeepSpeed's format, read without DeepSpeed), if this zerolab has it."""
-    try:
-        return importlib.import_module("zerolab.engine.ds_checkpoint")
-    except ModuleNotFoundError:
-        return None
-
-
 def consolidate_fp32(checkpoint_dir, tag=None) -> dict:
     """``{name: fp32 tensor}`` of the model in a zerolab or DeepSpeed checkpoint (``tag``: default ``latest``)."""
     checkpoint_dir = os.fspath(checkpoint_dir)
@@ -64,12 +56,11 @@ def consolidate_fp32(checkpoint_dir, tag=None) -> dict:
         raise CheckpointError(f"{checkpoint_dir}: not a directory")
     if zerolab_tag_dir(checkpoint_dir, tag) is not None:
         return zerolab_fp32_state_dict(checkpoint_dir, tag)
-    ds = _deepspeed_reader()
-    if ds is not None and ds.is_deepspeed_checkpoint(checkpoint_dir):   # the dispatch point for other formats
-        return ds.deepspeed_fp32_state_dict(checkpoint_dir, tag)
+    if ds_checkpoint.is_deepspeed_checkpoint(checkpoint_dir, tag):   # the dispatch point for other formats
+        return ds_checkpoint.deepspeed_fp32_state_dict(checkpoint_dir, tag)
     where = os.path.join(checkpoint_dir, tag or "<latest>")
     raise CheckpointError(f"{checkpoint_dir}: no checkpoint found (zerolab: no {where}/{MANIFEST}"
-                          + ("" if ds is None else "; DeepSpeed: no 'latest' or *_model_states.pt files") + ")")
+                          + "; DeepSpeed: no 'latest' or *_model_states.pt files)")
 
 
 def write_state_dict(state_dict: dict, output) -> str:

@@ -193,14 +193,12 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
             if i not in self.persistent:
                 self.release_params(i)
 
-    _release_all = release_all
-
     # ---------------------------------------------------------------- hooks
     def _hook(self, module: nn.Module, units: list, root: bool, index: int = -1) -> list:
 
         def pre_forward(_, args):
             if root:
-                self._release_all()   # anything left by a forward that had no backward
+                self.release_all()   # anything left by a forward that had no backward
                 # a training forward records the unit order (and prefetches along it); an eval or
                 # no_grad forward (validation, generation) releases everything when it ends
                 self._tracing = torch.is_grad_enabled() and self.module.training
@@ -217,7 +215,7 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
             if tensors and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
             if root and not self._tracing:
-                self._release_all()
+                self.release_all()
             for i in units:
                 if root or i not in self._root_units:
                     self._done_with(i)
@@ -240,7 +238,7 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
 
     def _end_of_backward(self) -> None:
         super()._end_of_backward()
-        self._release_all()
+        self.release_all()
         if self._tracing and self.trace.finish():
             warnings.warn(f"zerolab ZeRO-3: the order units ran in changed ({self.trace.mismatch}); "
                           f"prefetch stopped at the change and the new order was recorded for the next "
