@@ -124,12 +124,58 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))                 # (B, T, vocab)
 
 
+class LoRALinear(nn.Module):
+    """A frozen ``base`` Linear plus a trainable low-rank update (LoRA, Hu et al. 2021):
+    ``y = base(x) + (alpha / r) · x Aᵀ Bᵀ`` with ``A`` (r, in) and ``B`` (out, r).
+
+    ``B`` starts at zero (the model starts as the pretrained one) unless ``b_std`` > 0
+    (tests: so that ``A`` gets a gradient from the first step)."""
+
+    def __init__(self, base: nn.Linear, r: int = 4, alpha: float = 8.0, b_std: float = 0.0):
+        super().__init__()
+        self.base, self.r, self.scale, self.b_std = base, r, alpha / r, b_std
+        for p in base.parameters():
+            p.requires_grad_(False)
+        w = base.weight
+        self.lora_a = nn.Parameter(torch.empty(r, w.shape[1], device=w.device, dtype=w.dtype))
+        self.lora_b = nn.Parameter(torch.empty(w.shape[0], r, device=w.device, dtype=w.dtype))
+        if not w.is_meta:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The adapters only (the base has its own): A ~ N(0, 1/in), B = 0 (or N(0, b_std))."""
+        nn.init.normal_(self.lora_a, std=self.lora_a.shape[1] ** -0.5)
+        nn.init.normal_(self.lora_b, std=self.b_std) if self.b_std else nn.init.zeros_(self.lora_b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
+
+
+def add_lora(model: nn.Module, r: int = 4, alpha: float = 8.0, targets=("q", "v"), b_std: float = 0.0,
+             seed: int = 0) -> nn.Module:
+    """Freeze every parameter of ``model`` and wrap each ``nn.Linear`` whose attribute name is
+    in ``targets`` (TinyGPT: ``q``, ``k``, ``v``, ``proj``, ``fc``, ``out``, ``head``) in a
+    ``LoRALinear``: the base stays frozen, only the adapters train. Returns ``model``."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    found = [(parent, name, child) for parent in model.modules()
+             for name, child in parent.named_children() if name in targets and isinstance(child, nn.Linear)]
+    if not found:
+        raise ValueError(f"add_lora: no nn.Linear named one of {list(targets)} in the model")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for parent, name, child in found:
+            setattr(parent, name, LoRALinear(child, r, alpha, b_std))
+    return model
+
+
 class MLP(nn.Module):
     """Regression MLP: (B, d_in) -> (B, d_out); ``depth`` hidden blocks of ``width``.
 
     Edge cases for engine tests, each opt-in:
-      ``frozen=True``  — ``blocks[0].scale`` (width,) has ``requires_grad=False``:
-                         a unit mixing trainable and frozen parameters;
+      ``frozen=True``  — ``blocks[0].scale`` (width,) has ``requires_grad=False``
+                         (the block multiplies its output by it): a unit mixing
+                         trainable and frozen parameters;
       ``unused=True``  — ``self.unused`` (7,) never takes part in forward: its
                          ``.grad`` stays None (odd size, so shards need padding);
       ``buffer=True``  — ``self.offset`` (d_in,) is a buffer subtracted from the input.
@@ -144,7 +190,8 @@ class MLP(nn.Module):
             self.blocks = nn.ModuleList(
                 nn.Sequential(nn.Linear(d_in if i == 0 else width, width), nn.Tanh()) for i in range(depth))
             self.head = nn.Linear(width, d_out)
-            if frozen:
+            if frozen:   # applied inside the block, where ZeRO-3 has gathered it
+                self.blocks[0] = _Scaled(*self.blocks[0])
                 self.blocks[0].register_parameter("scale", nn.Parameter(torch.rand(width) + 0.5, requires_grad=False))
             if unused:
                 self.unused = nn.Parameter(torch.randn(7))
@@ -154,11 +201,16 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "offset"):
             x = x - self.offset
-        for i, block in enumerate(self.blocks):
+        for block in self.blocks:
             x = block(x)
-            if i == 0 and hasattr(block, "scale"):
-                x = x * block.scale
         return self.head(x)
+
+
+class _Scaled(nn.Sequential):
+    """MLP(frozen=True)'s first block: its layers, then times its frozen ``scale``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
 
 from zerolab.config import Config, ConfigError
@@ -94,6 +95,8 @@ class ModelSnapshot:
                 getattr(m, h).clear()
                 getattr(m, h).update(table)
         for p, data, requires_grad, grad, grad_hooks in self.params:
+            if data.is_meta and not p.is_meta:   # materialised (swapped in place): back to meta the same way
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(data), requires_grad=requires_grad))
             p.data, p.grad = data, grad
             p.requires_grad_(requires_grad)
             if getattr(p, "_post_accumulate_grad_hooks", None) is not None:

@@ -84,9 +84,17 @@ class Engine(GradientBuckets):
         self.flat = FlatParams(model, self.world_size, self.rank, self.precision.compute_dtype, device,
                                persist_threshold=self.persist_threshold(), policy=cfg.units, group_of=group_of,
                                sharded=self.partitions_params, fill=False)
+        # stage 3: frozen parameters partitioned too, in the same units (their "frozen twins")
+        self.frozen_flat = None
+        if self.partitions_params and any(not p.requires_grad for p in model.parameters()):
+            fz = FlatParams(model, self.world_size, self.rank, self.precision.compute_dtype, device,
+                            persist_threshold=self.persist_threshold(), policy=cfg.units, sharded=True,
+                            fill=False, select="frozen")
+            self.flat.frozen = fz.frozen   # the small ones stay whole
+            self.frozen_flat = fz if fz.units else None
         # unit by unit: copy the model's values in, or build a meta-device model's (materialize.py)
         keep = {i for i, u in enumerate(self.flat.units) if u.name == "persistent"}
-        self.uninitialised = materialize(self.flat, model, self.communicator, keep)
+        self.uninitialised = materialize(self.flat, model, self.communicator, keep, self.frozen_flat)
         for m in model.modules():  # buffers compute in the compute dtype too (as module.to(dtype))
             for k, b in m._buffers.items():
                 if b is not None and b.is_floating_point():

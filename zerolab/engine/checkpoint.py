@@ -34,7 +34,7 @@ import torch
 
 from zerolab.engine.checkpoint_io import (FORMAT, LATEST, MODEL_STATES, VERSION, CheckpointError, dumps, fsync_dir,
                                           model_file, optim_file, resolve_tag, write_checked, write_text_atomic)
-from zerolab.engine.state import gather_state_dict, layout, owned_start, read_owned, schedule_position, state_keys
+from zerolab.engine.state import frozen_ids, frozen_pieces, gather_state_dict, layout, owned_start, read_owned, schedule_position, state_keys
 
 MESSAGE_BYTES = 480   # an error message travels to every rank in a fixed-size tensor
 
@@ -124,9 +124,11 @@ def _parts(engine, client_state, exclude_frozen):
     head = {"format": FORMAT, "version": VERSION, "rank": r, "world_size": engine.world_size}
     yield optim_file(r), {**head, "state": _flat_slices(engine),
                           "buffers": {k: b.detach().cpu() for k, b in engine.module.named_buffers()}}
-    frozen = {id(p) for _, p in flat.frozen}
+    frozen = frozen_ids(engine)
     trainable = {id(p) for p in flat.params()}
-    module = {k: t.detach() for k, t in engine.module.state_dict(keep_vars=True).items()
+    # stage 3's partitioned frozen weights are saved whole by rank 0, gathered one unit at a time
+    whole = {} if exclude_frozen else frozen_pieces(engine, keep=r == 0)
+    module = {k: whole.get(id(t), t).detach() for k, t in engine.module.state_dict(keep_vars=True).items()
               if not (exclude_frozen and id(t) in frozen) and not (stage == 3 and id(t) in trainable)}
     top = {"module": module, "client_state": client_state or {}, "engine": engine_record(engine)}
     if stage == 3:

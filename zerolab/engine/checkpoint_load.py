@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from zerolab.engine.checkpoint import agree
+from zerolab.engine.load import load_frozen_shards
 from zerolab.engine.checkpoint_io import CheckpointError, check_tag_dir, optim_file, read_manifest, resolve_tag
 from zerolab.engine.reshard import SavedCheckpoint, check_compatible, fill_owned
 from zerolab.engine.state import ShiftedSchedule, layout, owned_start, state_keys, write_owned
@@ -99,17 +100,28 @@ def _load_module_extras(engine, saved: SavedCheckpoint) -> None:
     same = saved.world_size == engine.world_size
     buffers = saved.file(optim_file(engine.rank if same else 0)).get("buffers", {})
     state = engine.module.state_dict(keep_vars=True)
+    shapes, shards = engine.flat.shapes, {}
+    partitioned = {id(p) for u in engine.frozen_flat.units for _, p in u.params} if engine.frozen_flat else set()
     for name in lay["frozen"]:
         if name in module and name in state:
-            _copy(state[name], module[name], saved, name)
+            if id(state[name]) in partitioned:   # stage 3: this rank's shard of it
+                _check_shape(shapes[id(state[name])], module[name], saved, name)
+                shards[name] = module[name]
+            else:
+                _copy(state[name], module[name], saved, name)
+    load_frozen_shards(engine, shards)
     for name, b in engine.module.named_buffers():
         if name in buffers:
             _copy(b, buffers[name], saved, name)
 
 
-def _copy(dst, src, saved, name) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
+def _check_shape(shape, src, saved, name) -> None:
+    if tuple(shape) != tuple(src.shape):
         raise CheckpointError(f"{saved.dir}: {name!r} has shape {list(src.shape)} in the checkpoint, expected "
-                              f"{list(dst.shape)} (the model's)")
+                              f"{list(shape)} (the model's)")
+
+
+def _copy(dst, src, saved, name) -> None:
+    _check_shape(dst.shape, src, saved, name)
     dst.data.copy_(src)
 

@@ -26,7 +26,11 @@ Parameters become views into the flat buffer (``p.data = flat[a:b].view(shape)``
 so the model computes with them unchanged. A parameter shared by two modules
 (tied weights) belongs to exactly one unit: the one above all its users. Frozen parameters
 (``requires_grad=False``) stay outside: they are not trained, so they need no
-gradient, shard or optimizer state, only the same value on every rank.
+gradient, shard or optimizer state. At stages 0-2 they stay whole on every rank;
+stage 3 partitions them too, in a second ``FlatParams(select="frozen")`` with the
+same units (a unit's *frozen twin*: gathered and released with it, holding only
+its 1/N shard between uses), except those of at most
+``stage3_param_persistence_threshold`` elements, which stay whole.
 """
 from __future__ import annotations
 
@@ -107,31 +111,37 @@ class FlatParams:
 
     ``fill=False`` (the engine): lay out and allocate only; ``engine/materialize.py``
     then fills the buffer unit by unit (and builds meta-device parameters).
-    ``group_of``: parameter id -> parameter group; a unit is laid out group by group."""
+    ``group_of``: parameter id -> parameter group; a unit is laid out group by group.
+    ``select="frozen"`` (stage 3): the frozen parameters instead, those above
+    ``persist_threshold`` elements; the small ones stay whole (``frozen``)."""
 
     def __init__(self, model: nn.Module, world_size: int, rank: int, dtype: torch.dtype, device,
-                 persist_threshold: int = 0, policy=None, group_of=None, sharded: bool = False, fill: bool = True):
+                 persist_threshold: int = 0, policy=None, group_of=None, sharded: bool = False, fill: bool = True,
+                 select: str = "trainable"):
         self.world_size, self.rank, self.dtype, self.device = world_size, rank, dtype, device
         self.sharded = sharded
         self.policy = policy
         self.shapes = {id(p): p.shape for p in model.parameters()}   # kept: stage 3 empties released params
         where = unit_paths_of(model, policy)
         by_path = {path: Unit(path, []) for path, _ in find_units(model, policy)}
+        trainable = select == "trainable"
         for n, p in model.named_parameters():   # first name of each (tied) param
-            if p.requires_grad:
+            if p.requires_grad == trainable and (trainable or p.numel() > persist_threshold):
                 by_path[where[id(p)]].params.append((n, p))
         units = list(by_path.values())
         if group_of:
             for u in units:
                 u.params.sort(key=lambda np_: group_of[id(np_[1])])
-        if persist_threshold > 0:  # stage 3: params of <= threshold elements stay whole, in a unit of their own
+        if persist_threshold > 0 and trainable:  # stage 3: params of <= threshold elements stay whole, in a unit of their own
             small = {id(p) for u in units for _, p in u.params if p.numel() <= persist_threshold}
             kept = [(n, p) for u in units for n, p in u.params if id(p) in small]
             for u in units:
                 u.params = [(n, p) for n, p in u.params if id(p) not in small]
             units.insert(0, Unit("persistent", kept))
         self.units = [u for u in units if u.params]
-        self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        placed = {id(p) for u in units for _, p in u.params}
+        # frozen parameters kept whole on every rank (all of them, unless stage 3 partitions them)
+        self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and id(p) not in placed]
 
         offset = shard_offset = 0
         for u in self.units:

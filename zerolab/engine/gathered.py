@@ -46,7 +46,8 @@ def _params_of(engine, x) -> list:
 
 
 class GatheredMixin:
-    """Stage 3's ``gathered`` and ``_repartition`` (``Stage3Engine`` derives from it)."""
+    """Stage 3's whole parameters on demand: ``gathered``, ``param_shape``, ``close``
+    (``Stage3Engine`` derives from it)."""
 
     @contextmanager
     def gathered(self, params, modifier_rank=None):
@@ -63,16 +64,31 @@ class GatheredMixin:
             for i in fetched:
                 self.release_params(i)
 
+    def param_shape(self, p) -> torch.Size:
+        """The full shape of ``p`` (released, it is an empty tensor): its view into the unit buffer."""
+        return next(v.shape for q, v in self._views[self._unit_of[id(p)]] if q is p)
+
+    def close(self) -> None:
+        """Collective: gather every unit for good and remove the hooks, leaving a plain model
+        (parameters in the compute dtype, each unit's full buffer) that works without the engine."""
+        if not self._module_hooks:
+            return
+        self.gather_params([i for i in range(len(self.units)) if i not in self.persistent])
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+        super().close()
+
     @torch.no_grad()
     def _repartition(self, units, src: int) -> None:
         for i in units:
-            u = self.flat.units[i]
+            u = self.units[i]
             self.communicator.broadcast(self._full[i], src=src, tag="modified-params")
             new = self._full[i][self.rank * u.shard: (self.rank + 1) * u.shard]   # (S,) the edited shard
-            shard = self.flat.shard_view(self.param_shard, u)
+            shard = self.shard_of(i)
             changed = shard != new
             shard.copy_(new)
-            if self.master is not None:   # fp32 master: only the edited elements take the 16-bit value
+            if self.master is not None and i < self.n_trainable:   # fp32 master: only the edited elements take the 16-bit value
                 self.targets[i][changed] = new[changed].float()
 
 

@@ -6,7 +6,8 @@ rank copies, parameter by parameter, only the elements of its own shard
 (stage 3; stages 0-2 keep every parameter, so they copy all of them), and the
 pages it never touches are never read. The 16-bit parameters take the cast
 values and the fp32 master the exact ones, so ``full_state_dict()`` equals the
-file bit for bit in fp32. Frozen parameters and buffers are copied whole.
+file bit for bit in fp32. Frozen parameters are copied the same way (stage 3
+keeps only its shard of them too); buffers are copied whole.
 
 Every rank calls it (each fills its own shard; no communication). Keys are
 checked first, as ``nn.Module.load_state_dict(strict=True)`` does: missing,
@@ -146,11 +147,28 @@ def load_state_dict(engine, src, strict: bool = True) -> tuple[list, list]:
                 full[off: off + numel].copy_(src_flat)
         if offload_master:
             engine.optimizer.edit_master(i, torch.ones(mdst.numel(), dtype=torch.bool), mdst)
+    load_frozen_shards(engine, sd)
+    whole = {id(t) for _, t in flat.frozen} | {id(b) for b in model.buffers()}
     for name, t in current.items():
-        if name in sd and not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
-            t.data.copy_(sd[name])   # frozen parameters and buffers, whole
+        if name in sd and id(t) in whole:
+            t.data.copy_(sd[name])   # frozen parameters kept whole, and buffers
     engine.uninitialised.difference_update(k for k in current if k in sd)
     for name, t in current.items():   # tied parameters are complete when one of their names was loaded
         if name in sd and isinstance(t, torch.nn.Parameter):
             engine.uninitialised.difference_update(n for n, q in current.items() if q is t)
     return missing, unexpected
+
+
+@torch.no_grad()
+def load_frozen_shards(engine, sd: dict) -> None:
+    """Stage 3's partitioned frozen parameters: copy this rank's shard of each one in ``sd``
+    (a whole tensor, possibly memory-mapped: only the shard's pages are read)."""
+    fz = engine.frozen_flat
+    for u in fz.units if fz is not None else []:
+        lo, hi = fz.own_range(u, True)
+        dst = fz.shard_view(fz.flat, u)
+        for (name, p), off in zip(u.params, u.offsets):
+            if name in sd:
+                a, b = max(off, lo), min(off + fz.shapes[id(p)].numel(), hi)
+                if a < b:
+                    dst[a - lo: b - lo].copy_(sd[name].reshape(-1)[a - off: b - off])

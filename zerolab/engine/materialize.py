@@ -13,8 +13,11 @@ the units in order and, for each one:
        buffer once, at the end), keeps this rank's shard, frees the buffer (stage 3)
 
 so a rank never holds more than its shard plus one unit, whatever the model's
-size. Frozen parameters and buffers on the meta device are materialised whole by
-their module the same way. An uninitialised tensor must come from
+size. Stage 3's partitioned frozen parameters (``frozen_flat``, a unit's frozen
+twin) are placed and shared together with their unit, or after the trainable
+units when their unit has no trainable parameters (a frozen embedding); the
+frozen parameters kept whole and buffers on the meta device are materialised
+whole by their module the same way. An uninitialised tensor must come from
 ``engine.load_state_dict`` before the first forward (``check_initialised``).
 """
 from __future__ import annotations
@@ -33,10 +36,11 @@ def direct_owners(model: nn.Module) -> dict:
 
 
 @torch.no_grad()
-def materialize(flat, model: nn.Module, communicator, keep=()) -> set:
-    """Fill ``flat`` from the model (copy, or build meta parameters); return the names of
-    tensors left uninitialised (meta, and no ``reset_parameters`` could build them).
-    ``keep``: unit indices whose full buffer stays allocated (stage 3's persistent unit)."""
+def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None) -> set:
+    """Fill ``flat`` (and stage 3's ``frozen_flat``) from the model (copy, or build meta
+    parameters); return the names of tensors left uninitialised (meta, and no
+    ``reset_parameters`` could build them). ``keep``: unit indices whose full buffer stays
+    allocated (stage 3's persistent unit)."""
     rank, world = communicator.rank, communicator.world_size
     names = {}
     for n, p in model.named_parameters():
@@ -72,7 +76,7 @@ def materialize(flat, model: nn.Module, communicator, keep=()) -> set:
                 pending.difference_update(id(p) for p in own)
                 uninit.difference_update(norm_stats.get(id(m), ()))
 
-    def place(i: int) -> None:
+    def place(i: int, flat=flat) -> None:
         """Give unit i its full buffer and point its parameters at their slices of it."""
         if flat.sharded:
             buf = flat.full[i]
@@ -84,7 +88,7 @@ def materialize(flat, model: nn.Module, communicator, keep=()) -> set:
                 view.copy_(p.data)
             set_data(p, view)
 
-    def share(i: int) -> None:
+    def share(i: int, flat=flat) -> None:
         """Stage 3: rank 0's values to every rank; keep this rank's shard; free the buffer."""
         u, buf = flat.units[i], flat.full[i]
         if flat.sharded:
@@ -97,15 +101,27 @@ def materialize(flat, model: nn.Module, communicator, keep=()) -> set:
     # kept units (stage 3's persistent small params: a Linear's bias, its weight elsewhere) are
     # placed first and shared last, so a module's reset_parameters can write into both
     kept = {id(p) for i in keep for _, p in flat.units[i].params}
+    fz = frozen_flat
+    twin = {u.name: j for j, u in enumerate(fz.units)} if fz is not None else {}
     for i in sorted(keep):
         place(i)
     for i, u in enumerate(flat.units):
         if i in keep:
             continue
         place(i)
-        members = {id(p) for _, p in u.params} | frozen | kept
-        build(members, {id(m): m for _, p in u.params for m in owners[id(p)]}.values())
+        j = twin.pop(u.name, None)
+        params = u.params + (fz.units[j].params if j is not None else [])
+        if j is not None:
+            place(j, fz)
+        build({id(p) for _, p in params} | frozen | kept, {id(m): m for _, p in params for m in owners[id(p)]}.values())
         share(i)
+        if j is not None:
+            share(j, fz)
+    for j in sorted(twin.values()):   # units with frozen parameters only (a frozen embedding)
+        params = fz.units[j].params
+        place(j, fz)
+        build({id(p) for _, p in params} | frozen | kept, {id(m): m for _, p in params for m in owners[id(p)]}.values())
+        share(j, fz)
     for i in sorted(keep):
         build(kept | frozen, {id(m): m for _, p in flat.units[i].params for m in owners[id(p)]}.values())
         share(i)

@@ -14,7 +14,8 @@ all-gathers a unit from it right before the unit computes. With
             once the all-gather is done the pages are written back and dropped
             (``release``), so the resident set holds at most the units in flight.
 
-Every use of a unit therefore costs a read of its shard from NVMe (forward
+Stage 3's partitioned frozen weights (``frozen_shard``) go the same way, to a
+file of their own under NVMe. Every use of a unit therefore costs a read of its shard from NVMe (forward
 and backward) and every step a write: 2 x 2Ψ/N bytes read and 2Ψ/N written
 per micro-step in 16-bit — the arithmetic chapter 7 sets against NVMe bandwidth.
 """
@@ -35,7 +36,7 @@ class ParamOffloadMixin:
         if self.param_shard.device.type != "cpu":
             raise ConfigError("zero_optimization.offload_param on an accelerator is not implemented yet in "
                               "zerolab (the gather reads the shard in place); use offload_optimizer")
-        self.param_device, self.param_file = off.device, None
+        self.param_device, self.param_file, self.frozen_file = off.device, None, None
         if off.device == "nvme":
             path = check_nvme_path(off.nvme_path, "zero_optimization.offload_param")
             shard = self.param_shard
@@ -48,23 +49,35 @@ class ParamOffloadMixin:
                 self.targets = [self.flat.shard_view(mapped, u) for u in self.flat.units]
                 self.optimizer.targets = self.targets
             self.param_file.release()
+            if self.frozen_shard is not None:   # the frozen weights' shard: a file of its own
+                shard = self.frozen_shard
+                self.frozen_file = MappedFile(path, storage_bytes(shard), f"frozen-r{self.rank}",
+                                              "zero_optimization.offload_param")
+                mapped = self.frozen_file.tensor(shard.dtype, shard.numel())   # (padded Ψ_frozen/N,) on disk
+                mapped.copy_(shard)
+                self.frozen_shard = self.frozen_flat.flat = mapped
+                del shard
+                self.frozen_file.release()
         self.read_ahead = off.buffer_count
 
-    def _byte_range(self, i: int) -> tuple[int, int]:
-        u, es = self.flat.units[i], self.param_shard.element_size()
-        return u.shard_offset * es, (u.shard_offset + u.shard) * es
+    def _file_range(self, i: int):
+        """(mapped file, first byte, end byte) of unit ``i``'s shard (a frozen twin's: the frozen file)."""
+        u, es = self.units[i], self.param_shard.element_size()
+        f = self.param_file if i < self.n_trainable else self.frozen_file
+        return f, u.shard_offset * es, (u.shard_offset + u.shard) * es
 
     def _issue(self, i: int) -> None:
         if self.param_file is not None:   # read this unit and the next ones ahead
-            self.param_file.willneed(*self._byte_range(i))
-            for j in self.trace.upcoming()[: self.read_ahead]:
-                self.param_file.willneed(*self._byte_range(j))
+            for j in [i] + self.trace.upcoming()[: self.read_ahead]:
+                f, a, b = self._file_range(j)
+                f.willneed(a, b)
         super()._issue(i)
 
     def _complete(self, i: int) -> None:
         super()._complete(i)
         if self.param_file is not None:   # gathered into the unit buffer: the shard's pages can go
-            self.param_file.release(*self._byte_range(i))
+            f, a, b = self._file_range(i)
+            f.release(a, b)
 
     def step(self) -> None:
         super().step()
@@ -73,7 +86,7 @@ class ParamOffloadMixin:
 
     def memory(self):
         r = super().memory()
-        moved = storage_bytes(self.param_shard)
+        moved = storage_bytes(self.param_shard) + storage_bytes(self.frozen_shard)
         r.params -= moved
         if self.param_device == "nvme":
             r.nvme += moved
@@ -83,5 +96,6 @@ class ParamOffloadMixin:
 
     def close(self) -> None:
         super().close()
-        if self.param_file is not None:
-            self.param_file.close()
+        for f in (self.param_file, self.frozen_file):
+            if f is not None:
+                f.close()

@@ -28,6 +28,11 @@ being computed is always gathered) and ``stage3_max_reuse_distance`` (keep a
 unit that is used again within this many elements). The order units run in
 comes from ``prefetch.UnitTrace``. ``{"zerolab": {"debug": true}}`` makes a
 released parameter raise an explanatory error when touched.
+
+Frozen parameters (a LoRA base) are partitioned too (``frozen_flat``): unit
+indices past the trainable ones are *frozen twins*, gathered and released with
+their unit, with no gradient or optimizer state; ``unit_hooks.py`` says what
+their release in backward waits for.
 """
 from __future__ import annotations
 
@@ -38,9 +43,9 @@ from torch import nn
 
 from zerolab.engine import events as ev
 from zerolab.runtime.measure import storage_bytes
-from zerolab.engine.flat import find_units
 from zerolab.engine.prefetch import UnitTrace
 from zerolab.engine.gathered import GatheredMixin, ReleasedParameter
+from zerolab.engine.unit_hooks import release_waits, tensors_of, unit_hooks
 from zerolab.engine.stage2 import Stage2Engine
 
 
@@ -58,19 +63,29 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
 
     def __init__(self, model: nn.Module, cfg, communicator=None, **kw):
         super().__init__(model, cfg, communicator, **kw)   # stage 2 on the rank's shard of the flat buffer
-        flat, z, units = self.flat, cfg.zero, self.flat.units
+        flat, z, fz = self.flat, cfg.zero, self.frozen_flat
         # the rank's parameters, compute dtype: padded Ψ / N elements (its shard of every unit)
         self.param_shard = flat.flat
+        # frozen ones, compute dtype: padded Ψ_frozen / N elements (None: nothing frozen to partition)
+        self.frozen_shard = fz.flat if fz is not None else None
+        # unit indices: the trainable units, then the frozen twins (index T + j)
+        self.n_trainable = len(flat.units)
+        self.units = list(flat.units) + (list(fz.units) if fz is not None else [])
         # per unit, compute dtype: (padded_u,) full buffer; 0 bytes of storage while released
-        self._full = flat.full
-        self._views = [list(zip((p for _, p in u.params), flat.unit_views[i])) for i, u in enumerate(units)]
-        for u in units:
+        self._full = list(flat.full) + (list(fz.full) if fz is not None else [])
+        views = list(flat.unit_views) + (list(fz.unit_views) if fz is not None else [])
+        self._views = [list(zip((p for _, p in u.params), views[i])) for i, u in enumerate(self.units)]
+        for u in self.units:
             for name, p in u.params:
                 p._zl_name, p._zl_class = name, type(p)
+        units = self.units
 
-        self.persistent = {i for i, u in enumerate(units) if u.name == "persistent"}
+        self.persistent = {i for i, u in enumerate(flat.units) if u.name == "persistent"}
         self._unit_of = {id(p): i for i, u in enumerate(units) for _, p in u.params}
-        self._n_params = [len(u.params) for u in units]
+        # what each unit's release in backward waits for (unit_hooks.py): a frozen twin's
+        # trainable unit (twin_of), small trainable parameters inside it (_twin_waits)
+        self.twin_of, self._twin_waits, self._n_params = release_waits(model, flat.policy, units, self.n_trainable,
+                                                                       self.persistent)
         self._grads_left = list(self._n_params)
         self.trace = UnitTrace({i: u.padded for i, u in enumerate(units)})
         self.prefetch_elements = z.stage3_prefetch_bucket_size
@@ -93,7 +108,7 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         # also starts and ends the step; a module using a (tied) parameter of another unit gathers it too
         self._module_hooks = []
         self._root_units = [i for i, u in enumerate(units) if u.name == "rest"]
-        for module, deps, root, index in unit_hooks(model, flat, self._unit_of, self.persistent):
+        for module, deps, root, index in unit_hooks(model, units, flat.policy, self._unit_of, self.persistent):
             self._module_hooks += self._hook(module, deps, root=root, index=index)
 
     # ---------------------------------------------------------------- gather, release, prefetch
@@ -106,8 +121,14 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
             if i in self._inflight:
                 self._complete(i)
 
+    def shard_of(self, i: int) -> torch.Tensor:
+        """This rank's shard of unit ``i`` (a trainable unit or a frozen twin): (S,)."""
+        if i < self.n_trainable:
+            return self.flat.shard_view(self.param_shard, self.units[i])
+        return self.frozen_flat.shard_view(self.frozen_shard, self.units[i])
+
     def _issue(self, i: int) -> None:
-        u, buf = self.flat.units[i], self._full[i]
+        u, buf = self.units[i], self._full[i]
         buf.untyped_storage().resize_(u.padded * buf.element_size())  # (padded_u,) allocated again
         self.live_elements += u.padded
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
@@ -116,8 +137,7 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
 
     def fetch_unit(self, i: int):
         """Issue the collective that fills unit ``i``'s full buffer; return its handle (ZeRO++ overrides it)."""
-        shard = self.flat.shard_view(self.param_shard, self.flat.units[i])
-        return self.communicator.all_gather(self._full[i], shard, async_op=True, tag=f"unit-{i}")
+        return self.communicator.all_gather(self._full[i], self.shard_of(i), async_op=True, tag=f"unit-{i}")
 
     def _complete(self, i: int) -> None:
         self._inflight.pop(i).wait()
@@ -142,7 +162,7 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         self._gathered.discard(i)
         self._ahead.discard(i)
         self._keep.discard(i)
-        self.live_elements -= self.flat.units[i].padded
+        self.live_elements -= self.units[i].padded
         self.event(ev.RELEASE, i)
 
     def prefetch(self) -> None:
@@ -153,11 +173,11 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         gathered again, its all-gather would queue behind the ones issued here."""
         if not self.prefetch_elements:
             return
-        ahead = sum(self.flat.units[i].padded for i in self._ahead)
+        ahead = sum(self.units[i].padded for i in self._ahead)
         for i in self.trace.upcoming():
             if i in self._ahead:
                 continue                      # prefetched already, counted in ahead
-            n = self.flat.units[i].padded
+            n = self.units[i].padded
             if ahead + n > self.prefetch_elements:
                 break
             if i in self._gathered:           # in use now (or kept): keep it for this next use
@@ -195,8 +215,9 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
 
     # ---------------------------------------------------------------- hooks
     def _hook(self, module: nn.Module, units: list, root: bool, index: int = -1) -> list:
+        frozen = [i for i in units if i >= self.n_trainable]
 
-        def pre_forward(_, args):
+        def pre_forward(_, args, kwargs):
             if root:
                 self.release_all()   # anything left by a forward that had no backward
                 # a training forward records the unit order (and prefetches along it); an eval or
@@ -207,11 +228,17 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
                 if torch.is_grad_enabled():
                     self._grads_left = list(self._n_params)
             self._use(units)
+            if frozen and torch.is_grad_enabled():   # frozen twins: released once the inputs have gradients
+                inputs = [t for t in tensors_of([args, kwargs]) if t.requires_grad]
+                if inputs:
+                    for j in frozen:
+                        self._grads_left[j] += 1
+                    torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g: self._frozen_done(frozen))
             self.event(ev.FORWARD_START if root else ev.UNIT_FWD_START, index)   # compute starts now
 
         def post_forward(_, args, output):
             self.event(ev.FORWARD_END if root else ev.UNIT_FWD_END, index)
-            tensors = [t for t in _tensors(output) if t.requires_grad]
+            tensors = [t for t in tensors_of(output) if t.requires_grad]
             if tensors and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
             if root and not self._tracing:
@@ -225,16 +252,29 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
             if not root:
                 self.event(ev.UNIT_BWD_START, index)
 
-        return [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward)]
+        return [module.register_forward_pre_hook(pre_forward, with_kwargs=True),
+                module.register_forward_hook(post_forward)]
 
     def keep_grad(self, p) -> None:
         """Stage 2's gradient handling; a unit whose gradients are all in is released."""
         super().keep_grad(p)
         i = self._unit_of[id(p)]
         self._grads_left[i] -= 1
+        if id(p) in self._twin_waits:
+            self._frozen_done([self._twin_waits[id(p)]])
         if self._grads_left[i] == 0 and i not in self.persistent:
             self.event(ev.UNIT_BWD_END, i)
             self.release_params(i)
+            if i in self.twin_of:
+                self._frozen_done([self.twin_of[i]])
+
+    def _frozen_done(self, frozen) -> None:
+        """One thing a frozen twin's release waited for is done (its unit's inputs have their
+        gradients, or its trainable unit all of its own); after the last one it is released."""
+        for j in frozen:
+            self._grads_left[j] -= 1
+            if self._grads_left[j] == 0:
+                self.release_params(j)
 
     def _end_of_backward(self) -> None:
         super()._end_of_backward()
@@ -252,66 +292,15 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         """Each rank updated its own shard, which is all it keeps: no all-gather, except for the
         persistent unit (small params kept whole), as in stage 2."""
         for i in self.persistent:
-            u = self.flat.units[i]
+            u = self.units[i]
             self.communicator.all_gather(self._full[i], self.flat.shard_view(self.param_shard, u),
                                          tag="persistent-params")
 
-    def param_shape(self, p) -> torch.Size:
-        """The full shape of ``p`` (released, it is an empty tensor): its view into the unit buffer."""
-        return next(v.shape for q, v in self._views[self._unit_of[id(p)]] if q is p)
-
     # ---------------------------------------------------------------- inspection
     def memory(self):
-        """Stage 2's report; params add the persistent unit, buffers the gathered units."""
+        """Stage 2's report; params add the persistent unit and the frozen shard, buffers the gathered units."""
         r = super().memory()
-        r.params += sum(storage_bytes(self._full[i]) for i in self.persistent)
+        r.params += sum(storage_bytes(self._full[i]) for i in self.persistent) + storage_bytes(self.frozen_shard)
         r.gathered = sum(storage_bytes(b) for i, b in enumerate(self._full) if i not in self.persistent)
         r.buffers += r.gathered
         return r
-
-    def close(self) -> None:
-        """Collective: gather every unit for good and remove the hooks, leaving a plain model
-        (parameters in the compute dtype, each unit's full buffer) that works without the engine."""
-        if not self._module_hooks:
-            return
-        self.gather_params([i for i in range(len(self.flat.units)) if i not in self.persistent])
-        for h in self._module_hooks:
-            h.remove()
-        self._module_hooks = []
-        super().close()
-
-
-def unit_hooks(model: nn.Module, flat, unit_of: dict, persistent: set):
-    """``(module, units, is_root, unit index)`` for every module that gathers something: the
-    root (its own "rest" unit), each unit's module (its unit), and any other module that
-    directly owns a parameter of a unit other than the one it sits in (a tied head)."""
-    index = {u.name: i for i, u in enumerate(flat.units)}
-    rest = [index["rest"]] if "rest" in index else []
-    out = [(model, [i for i in rest if i not in persistent], True, -1)]
-    where = {}   # module path -> the unit path it sits in
-    for path, _ in find_units(model, flat.policy):
-        where[path] = path
-    for path, m in model.named_modules():
-        if not path:
-            continue
-        home = path
-        while home and home not in where:
-            home = home.rpartition(".")[0]
-        home = home or "rest"
-        if path == home and home in index and index[home] not in persistent:
-            out.append((m, [index[home]], False, index[home]))
-        own = {unit_of[id(p)] for p in m.parameters(recurse=False) if id(p) in unit_of}
-        extra = sorted(own - {index.get(home)} - persistent)
-        if extra:
-            out.append((m, extra, False, -1))
-    return out
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    return []

@@ -38,9 +38,11 @@ def gather_state_dict(engine, rank0_only: bool = False, sixteen_bit: bool = Fals
             for (_, p), off in zip(u.params, u.offsets):
                 shape = engine.param_shape(p)
                 pieces[id(p)] = full[off: off + shape.numel()].view(shape).to(dtype).clone()
+    if not exclude_frozen:
+        pieces.update({k: v.to(dtype) for k, v in frozen_pieces(engine, keep).items()})
     if not keep:
         return None
-    frozen = {id(p) for _, p in flat.frozen}
+    frozen = frozen_ids(engine)
     out = {}
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) in pieces:
@@ -50,6 +52,28 @@ def gather_state_dict(engine, rank0_only: bool = False, sixteen_bit: bool = Fals
         else:
             value = t.detach().clone()
             out[name] = value.float() if value.is_floating_point() and not sixteen_bit else value
+    return out
+
+
+def frozen_ids(engine) -> set:
+    """ids of the frozen parameters: kept whole, or partitioned (stage 3's frozen twins)."""
+    fz = getattr(engine, "frozen_flat", None)
+    return {id(p) for _, p in engine.flat.frozen} | {id(p) for u in (fz.units if fz else []) for _, p in u.params}
+
+
+@torch.no_grad()
+def frozen_pieces(engine, keep: bool = True) -> dict:
+    """Collective: id(param) -> the whole value of each partitioned frozen parameter (stage 3),
+    all-gathered one unit at a time (compute dtype); empty where nothing frozen is partitioned
+    or (``keep=False``) on a rank that only helps."""
+    fz, out = getattr(engine, "frozen_flat", None), {}
+    for j, u in enumerate(fz.units if fz is not None else []):
+        full = torch.empty(u.padded, dtype=fz.dtype, device=fz.device)   # one unit, transient
+        engine.communicator.all_gather(full, fz.shard_view(fz.flat, u), tag="state-dict-frozen")
+        if keep:
+            for (_, p), off in zip(u.params, u.offsets):
+                shape = fz.shapes[id(p)]
+                out[id(p)] = full[off: off + shape.numel()].view(shape).clone()
     return out
 
 
@@ -65,7 +89,7 @@ def layout(engine) -> dict:
     names = {id(p): n for u in flat.units for n, p in u.params}
     sd = engine.module.state_dict(keep_vars=True)
     aliases = {k: names[id(t)] for k, t in sd.items() if id(t) in names and names[id(t)] != k}
-    frozen = {id(p) for _, p in flat.frozen}
+    frozen = frozen_ids(engine)
     return {
         "world_size": engine.world_size, "numel": flat.numel, "padded": flat.padded,
         "units": [{"name": u.name, "numel": u.numel, "padded": u.padded, "shard": u.shard,

@@ -110,10 +110,11 @@ class ZeroPPEngine(Stage3Engine):
         super().__init__(model, cfg, communicator, **kw)
         c, units = self.communicator, self.flat.units
         self.hpz_comm = c.node_subgroup(self.hpz) if self.hpz > 1 else None
-        # hpZ: per unit, compute dtype: padded_u / H elements, this rank's slice of its H-rank partition
+        # hpZ: per unit (frozen twins too), compute dtype: padded_u / H elements, this rank's slice
+        # of its H-rank partition
         self._secondary = {i: torch.zeros(u.padded // self.hpz, dtype=self.param_shard.dtype,
                                           device=self.param_shard.device)
-                           for i, u in enumerate(units) if self.hpz > 1 and i not in self.persistent}
+                           for i, u in enumerate(self.units) if self.hpz > 1 and i not in self.persistent}
         self._fresh = set()   # units whose secondary shard holds this step's weights
         # qgZ: per bucket, the units that go quantized (any matrix) and the group size
         shapes = {id(u): [v.shape for _, v in self._views[i]] for i, u in enumerate(units)}  # params are released
@@ -126,10 +127,10 @@ class ZeroPPEngine(Stage3Engine):
 
     # ---------------------------------------------------------------- weights: qwZ and hpZ
     def fetch_unit(self, i: int):
-        u, buf = self.flat.units[i], self._full[i]
+        u, buf = self.units[i], self._full[i]
         if self.hpz_comm is not None and self._in_backward and i in self._fresh:   # hpZ: inside the node
             return self.hpz_comm.all_gather(buf, self._secondary[i], async_op=True, tag=f"unit-{i}-hpz")
-        shard = self.flat.shard_view(self.param_shard, u)
+        shard = self.shard_of(i)
         if not self.qwz or self._exact:
             return Then(super().fetch_unit(i), lambda: self._keep_secondary(i))
         packed = pack(shard.view(1, -1), 8, self.qwz_group)                         # (1, B) uint8

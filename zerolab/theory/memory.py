@@ -87,6 +87,7 @@ class Estimate:
     host: int         # bytes in host RAM (offload to "cpu")
     nvme: int         # bytes on NVMe (offload to "nvme")
     hpz: int = 0      # of ``params``: ZeRO++ hpZ's secondary partition (chapter 9)
+    frozen_params: int = 0   # of ``params`` (or of the offload tier): frozen weights (chapter 6, LoRA)
 
     @property
     def total(self) -> int:
@@ -106,13 +107,16 @@ class Estimate:
 
 
 def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
-             offload_optimizer="none", offload_param="none", hpz_partition_size=1) -> Estimate:
+             offload_optimizer="none", offload_param="none", hpz_partition_size=1, frozen=0) -> Estimate:
     """Per-rank bytes of params, grads and optimizer state under ZeRO ``stage``.
 
     Chapter 1 derives it (16Ψ in mixed-precision Adam, split by stage).
     ``zl.estimate(7.5e9, 64, 1).gb()`` -> 31.4 (the ZeRO paper's Table 1).
     ``hpz_partition_size=H`` (ZeRO++, stage 3): each rank also keeps a secondary 1/H
     partition of the (padded) parameters, on top of its 1/N primary shard.
+    ``frozen``: parameters that do not train (a LoRA model's base), on top of the ``psi``
+    trainable ones: 16-bit (or fp32) weights only, no gradient or optimizer state; whole on
+    every rank at stages 0-2, partitioned (1/N each) at stage 3.
     """
     psi, n = check_psi_n(psi, n_gpus)
     _choice("stage", stage, STAGES)
@@ -124,6 +128,10 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
         raise ValueError(f"offload_param={offload_param!r} needs stage 3 (got stage={stage}); "
                          f"allowed at stage {stage}: ('none',)")
     p, g, k = bytes_per_param(precision, optimizer)
+    if isinstance(frozen, bool) or not isinstance(frozen, (int, float)) or frozen < 0 or frozen != int(frozen):
+        raise ValueError(f"frozen must be a whole number of parameters >= 0, got {frozen!r}")
+    frozen = int(frozen)
+    frozen_bytes = p * (-(-frozen // n) if stage >= 3 else frozen)
     shard = -(-psi // n)                       # elements per rank, padded partition
     h = hpz_partition_size
     if isinstance(h, bool) or not isinstance(h, int) or h < 1 or n % h:
@@ -132,7 +140,7 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
         raise ValueError(f"hpz_partition_size={h} needs stage 3 without offload_param (got stage={stage}, "
                          f"offload_param={offload_param!r})")
     hpz = p * shard * n // h if h > 1 else 0   # secondary partition: padded Ψ / H elements
-    params = p * (shard if stage >= 3 else psi)
+    params = p * (shard if stage >= 3 else psi) + frozen_bytes
     grads = g * (shard if stage >= 2 else psi)
     optim = k * (shard if stage >= 1 else psi)
     off = {"none": 0, "cpu": 0, "nvme": 0}
@@ -143,7 +151,7 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
                     params=0 if offload_param != "none" else params + hpz,
                     grads=grads if stage < 2 or not host_grads else 0,
                     host=off["cpu"] + host_grads, nvme=off["nvme"],
-                    optimizer=0 if offload_optimizer != "none" else optim, hpz=hpz)
+                    optimizer=0 if offload_optimizer != "none" else optim, hpz=hpz, frozen_params=frozen_bytes)
 
 
 def gathered_working_set(largest_layer, precision="mixed") -> int:
