@@ -318,3 +318,26 @@ def test_a_failed_initialize_of_a_meta_model_leaves_it_on_meta(tmp_path):
     assert [p.requires_grad for p in model.parameters()] == [p.requires_grad for p in lora_gpt(meta=True).parameters()]
     engine = zl.initialize(model, {"optimizer": ADAMW, "zero_optimization": {"stage": 3}})
     assert not engine.uninitialised and not any(p.is_meta for p in model.parameters())
+
+
+def close_worker():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = lora_gpt()
+    engine = zl.initialize(model, {"optimizer": ADAMW,
+                                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    x, y = batch(model, 0, rank, n)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    sd = engine.full_state_dict()
+    engine.close()   # every unit, frozen twins too, gathered for good
+    with torch.no_grad():
+        out = model(x)
+    plain = lora_gpt()
+    plain.load_state_dict(sd)
+    with torch.no_grad():
+        return torch.equal(out, plain(x)), all(p.numel() > 0 for p in model.parameters())
+
+
+def test_close_leaves_a_usable_lora_model():
+    for same, whole in zl.launch(close_worker, world_size=2, threads=1):
+        assert same and whole
