@@ -5,7 +5,13 @@ the lists the communicator turns into process groups). Each rank is a box holdin
 primary shard (1/N of the parameters, index = rank) and, with hpZ, its secondary shard
 (1/H, index = rank mod H inside its node). Lines mark the groups: the intra-node groups
 (backward all-gather under hpZ, qgZ's first all-to-all) and the inter-node groups (qgZ's
-second all-to-all). Returns ``(fig, alt)`` for ``plots.show(fig, alt=alt)``.
+second all-to-all).
+
+``tier_bytes_figure(measured)``: per variant (ZeRO-3, qwZ, hpZ, qgZ, ZeRO++), the bytes one rank
+sends per step inside its node and across nodes, as the ledger measured them in a run of
+``zerolab.book.zeropp.measure_variants``, beside ``comm_breakdown``'s prediction for the same units.
+
+Each returns ``(fig, alt)`` for ``plots.show(fig, alt=alt)``.
 """
 from __future__ import annotations
 
@@ -40,4 +46,40 @@ def topology_figure(n: int = 8, k: int = 4, hpz: int | None = None):
            f"shard r mod {hpz} of {hpz}. The intra-node groups are {intra}; the inter-node groups, drawn as red "
            f"lines, are {inter}. The forward all-gather spans all {n} ranks; with hpZ the backward all-gather "
            f"stays in the node; qgZ reduces gradients inside the node, then across the red groups.")
+    return fig, alt
+
+
+def tier_bytes_figure(measured: dict, title: str | None = None):
+    """Stacked bars per variant: intra- and inter-node bytes per rank and step, measured beside predicted."""
+    fig, ax = new_axes(figsize=(9, 4.0))
+    names = list(measured)
+    sources = (("measured (ledger)", lambda r: r, None), ("predicted (comm_breakdown)", lambda r: r["predicted"], "//"))
+    for j, (label, get, hatch) in enumerate(sources):
+        xs = [i + (j - 0.5) * 0.38 for i in range(len(names))]
+        intra = [get(measured[n])["intra"] / 1e3 for n in names]
+        inter = [get(measured[n])["inter"] / 1e3 for n in names]
+        ax.bar(xs, intra, 0.36, color="tab:blue", alpha=0.9 if hatch is None else 0.45, hatch=hatch,
+               edgecolor="white", label=f"inside the node, {label}")
+        ax.bar(xs, inter, 0.36, bottom=intra, color="tab:red", alpha=0.9 if hatch is None else 0.45, hatch=hatch,
+               edgecolor="white", label=f"across nodes, {label}")
+    base = measured[names[0]]["inter"]
+    for i, n in enumerate(names):
+        top = (measured[n]["intra"] + measured[n]["inter"]) / 1e3
+        ax.text(i - 0.19, top, f"{base / measured[n]['inter']:.1f}x less\nacross" if i else "reference",
+                ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("kB one rank sends per step (algorithm bytes)")
+    ax.set_title(title or "Bytes per tier: the ledger's (solid) beside the model's (hatched)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+    def said(n):
+        r, p = measured[n], measured[n]["predicted"]
+        same = (r["intra"], r["inter"]) == (p["intra"], p["inter"])
+        return (f"{n} {r['intra']:,.0f} inside the node and {r['inter']:,.0f} across"
+                + (" (predicted: the same)" if same else f" (predicted: {p['intra']:,} and {p['inter']:,})"))
+    alt = (f"Bars of the bytes one rank sends per training step, split into inside-the-node and across-nodes, "
+           f"for {', '.join(names)}, measured by the communication ledger beside comm_breakdown's prediction: "
+           + "; ".join(said(n) for n in names)
+           + f". {names[-1]} sends {base / measured[names[-1]]['inter']:.1f} times fewer bytes across nodes than "
+           f"{names[0]}.")
     return fig, alt
