@@ -17,37 +17,43 @@ from zerolab.engine import events as ev
 PARTITION_ALL = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 
 
-def traced_step(zero):
-    """On each rank: two steps; in the last, the truth at each hook: (event position, units with storage, live)."""
+def traced_step(zero, lora=False):
+    """On each rank: two steps; in the last, the truth at each hook: (event position, units with storage, live).
+    ``lora``: a frozen base with trainable adapters (the frozen twins are units too)."""
     import torch.distributed as dist
-    from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
+    from zerolab.book.models import TinyGPT, add_lora, loss_fn, synthetic_batch
     model = TinyGPT.preset("micro", seed=0)
+    if lora:
+        add_lora(model, b_std=0.02)
     engine = zl.initialize(model, {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
                                    "zero_optimization": {"stage": 3, **PARTITION_ALL, **zero},
                                    "zerolab": {"trace": True}})
     truth = []
 
     def sample(*_):
-        held = {i for i, b in enumerate(engine.flat.full) if b.untyped_storage().nbytes() > 0}
+        full = list(engine.flat.full) + (list(engine.frozen_flat.full) if engine.frozen_flat is not None else [])
+        held = {i for i, b in enumerate(full) if b.untyped_storage().nbytes() > 0}
         truth.append((len(engine.events) - 1, held, engine.live_elements))
     for m in model.modules():
         m.register_forward_pre_hook(sample)
     for p in model.parameters():
-        p.register_post_accumulate_grad_hook(sample)
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(sample)
     for step in range(2):
         engine.events.clear()
         truth.clear()
         x, y = synthetic_batch(model, 4, seed=0, step=step, rank=dist.get_rank(), world_size=dist.get_world_size())
         engine.backward(loss_fn(engine(x), y))
         engine.step()
-    return {"events": list(engine.events), "table": fz.unit_table(engine.flat), "truth": truth,
+    return {"events": list(engine.events), "table": fz.unit_table(engine), "truth": truth,
             "peak_live": engine.peak_live_elements}
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return {name: zl.launch(traced_step, world_size=2, args=(zero,), timeout=300)
-            for name, zero in (("no prefetch", {"stage3_prefetch_bucket_size": 0}), ("prefetch", {}))}
+    cases = (("no prefetch", {"stage3_prefetch_bucket_size": 0}, False), ("prefetch", {}, False),
+             ("LoRA, no prefetch", {"stage3_prefetch_bucket_size": 0}, True))
+    return {name: zl.launch(traced_step, world_size=2, args=(zero, lora), timeout=300) for name, zero, lora in cases}
 
 
 def mismatches(run):
@@ -57,7 +63,7 @@ def mismatches(run):
             if fz.gathered_at(run["events"], pos) != held or curve[pos] != live]
 
 
-@pytest.mark.parametrize("name", ["no prefetch", "prefetch"])
+@pytest.mark.parametrize("name", ["no prefetch", "prefetch", "LoRA, no prefetch"])
 def test_replay_matches_the_engine_at_every_hook(runs, name):
     for run in runs[name]:
         assert len(run["truth"]) > 10 and mismatches(run) == []
@@ -104,3 +110,12 @@ def test_a_missing_event_is_a_clear_error(runs):
 
 def digest(fig):
     return hashlib.sha256(plots.figure_png(fig)).hexdigest()
+
+
+def test_frozen_twins_are_drawn_as_units_of_their_own(runs):
+    run = runs["LoRA, no prefetch"][0]
+    names = [n for n, *_ in run["table"]]
+    assert any(n.endswith(" (frozen)") for n in names)
+    assert set(fz.lifetimes(run["events"])) <= set(range(len(names)))       # every event's unit has a row
+    _, alt = fz.step_figure(run["events"], run["table"])
+    assert "(frozen)" in alt

@@ -13,7 +13,7 @@ it always holds. Two figures read it:
   forward, during its backward): per rank its shard of every unit and the units it holds
   whole then, laid out on the flat parameter space as ``figures.partition_figure`` does.
 
-``units`` is ``unit_table(engine.flat)``: ``[(name, offset, padded, shard), ...]``. The
+``units`` is ``unit_table(engine)``: ``[(name, offset, padded, shard), ...]``. The
 helpers (``lifetimes``, ``held_elements``, ``gathered_at``, ``position``) are plain
 replays of the list, tested against the engine's own counters (tests/test_figures_zero3.py).
 Each figure function returns ``(fig, alt)`` for ``plots.show(fig, alt=alt)``.
@@ -24,9 +24,17 @@ from zerolab.book.plots import COLORS
 from zerolab.engine import events as ev
 
 
-def unit_table(flat) -> list[tuple[str, int, int, int]]:
-    """``[(name, offset, padded, shard), ...]`` of a ``FlatParams`` (``engine.flat``), picklable."""
-    return [(u.name, u.offset, u.padded, u.shard) for u in flat.units]
+def unit_table(source) -> list[tuple[str, int, int, int]]:
+    """``[(name, offset, padded, shard), ...]`` indexed as the events index units, picklable: a stage-3
+    engine's ``units`` (its trainable units, then the frozen twins, named "... (frozen)"), or a
+    ``FlatParams``' units. Offsets run unit after unit, as the figures lay them out."""
+    units = source.units
+    trainable = getattr(source, "n_trainable", len(units))
+    out, offset = [], 0
+    for i, u in enumerate(units):
+        out.append((u.name + (" (frozen)" if i >= trainable else ""), offset, u.padded, u.shard))
+        offset += u.padded
+    return out
 
 
 def names_of(events) -> list[tuple[str, int]]:
