@@ -112,13 +112,19 @@ def _compute_spans(evs, rest):
     return [s for s in out if s[0] is not None]
 
 
+def _with_twins(spans, names):
+    """A frozen twin computes with its unit: repeat each span on the row named "<unit> (frozen)"."""
+    twin = {i: names.index(f"{n} (frozen)") for i, n in enumerate(names) if f"{n} (frozen)" in names}
+    return spans + [(twin[r], kind, s, e) for r, kind, s, e in spans if r in twin]
+
+
 def step_figure(events, units, rank: int = 0, title: str | None = None):
     """One rank's step: units held whole (rows) along the trace, and the elements held whole below."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
     evs = names_of(events)
     names = [u[0] for u in units]
-    rest = names.index("rest") if "rest" in names else None
+    rest = next((names.index(n) for n in ("rest", "rest (frozen)") if n in names), None)
     fig = Figure(figsize=(10, 1.6 + 0.42 * len(units) + 1.8), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[max(len(units), 3), 3])
     life = lifetimes(events)
@@ -128,7 +134,7 @@ def step_figure(events, units, rank: int = 0, title: str | None = None):
             top.broken_barh([(issued, max(done - issued, 0.5))], (i - 0.4, 0.8), facecolors="none",
                             edgecolors="gray", hatch="////")
     colors = {"forward": "#55A868", "backward": "#DD8452"}
-    for row, kind, s, e in _compute_spans(evs, rest):
+    for row, kind, s, e in _with_twins(_compute_spans(evs, rest), names):
         top.broken_barh([(s, max(e - s, 0.6))], (row - 0.22, 0.44), facecolors=colors[kind])
     phases = {ev.FORWARD_START: "forward", ev.BACKWARD_START: "backward", ev.STEP_START: "step"}
     for k, (name, _) in enumerate(evs):
