@@ -53,8 +53,11 @@ def _worker(stages, preset, r, steps, batch_per_rank):
             engine.step()
             losses.append(loss.item())
         m = engine.memory()
+        fz = getattr(engine, "frozen_shard", None)   # stage 3: the shard; stages 0-2: the whole tensors
+        frozen = fz.untyped_storage().nbytes() if fz is not None else \
+            sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.requires_grad)
         out[stage] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "losses": losses,
-                      "frozen_whole": sum(p.numel() for p in model.parameters() if not p.requires_grad)}
+                      "frozen": frozen}
         engine.close()
     return out
 
@@ -62,7 +65,7 @@ def _worker(stages, preset, r, steps, batch_per_rank):
 def lora_run(stages=(2, 3), world_size: int = 2, preset: str = "small", r: int = 8, steps: int = 3,
              batch_per_rank: int = 2) -> list:
     """Per rank: {stage: {"params", "grads", "optimizer": bytes the engine holds after ``steps``
-    steps, "losses": [...]}} — a LoRA model trained in ``world_size`` real processes, bf16 + AdamW."""
+    steps, "frozen": of "params", the frozen weights' bytes, "losses": [...]}} — a LoRA model trained in ``world_size`` real processes, bf16 + AdamW."""
     from zerolab.runtime.launch import launch
     return launch(_worker, world_size=world_size, args=(tuple(stages), preset, r, steps, batch_per_rank),
                      timeout=600)
@@ -75,7 +78,38 @@ def lora_rows(results, psi_trainable: int, psi_frozen: int, world_size: int) -> 
     for stage, m in results[0].items():
         est = estimate(psi_trainable, world_size, stage, "mixed", "adamw", frozen=psi_frozen)
         rows.append({"stage": stage, "params": m["params"], "params_model": est.params,
-                     "frozen_model": est.frozen_params, "grads": m["grads"], "grads_model": est.grads,
+                     "frozen": m["frozen"], "frozen_model": est.frozen_params, "grads": m["grads"], "grads_model": est.grads,
                      "optimizer": m["optimizer"], "optimizer_model": est.optimizer,
                      "total": m["params"] + m["grads"] + m["optimizer"], "total_model": est.total})
     return rows
+
+
+def lora_figure(rows, title: str = "A LoRA model's bytes per rank, measured"):
+    """Stacked bars, one per stage: frozen weights, trainable weights, gradients, optimizer state
+    (rank 0's measured bytes; a tick marks the model's total). Returns ``(fig, alt)``."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6.4, 3.2))
+    ax = fig.add_subplot()
+    parts = [("frozen weights", "frozen", "#9aa5b1"), ("trainable weights", None, "#4c78a8"),
+             ("gradients", "grads", "#f58518"), ("optimizer state", "optimizer", "#54a24b")]
+    labels = [f"ZeRO-{r['stage']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for name, key, color in parts:
+        if key is None:
+            vals = [r["params"] - r["frozen"] for r in rows]
+        else:
+            vals = [r[key] for r in rows]
+        ax.barh(labels, [v / 1e6 for v in vals], left=[b / 1e6 for b in bottom], color=color, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for k, r in enumerate(rows):
+        ax.plot([r["total_model"] / 1e6] * 2, [k - 0.45, k + 0.45], color="black", lw=1.5)
+    ax.set_xlabel("MB per rank (black tick: the model's total)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=4, frameon=False)
+    fig.tight_layout()
+    alt = (f"{title}. " + "; ".join(
+        f"ZeRO-{r['stage']}: {r['total'] / 1e6:.2f} MB in all, of which frozen weights "
+        f"{r['frozen'] / 1e6:.2f} MB, trainable weights {(r['params'] - r['frozen']) / 1e6:.2f} MB, "
+        f"gradients {r['grads'] / 1e6:.2f} MB, optimizer state {r['optimizer'] / 1e6:.2f} MB "
+        f"(model: {r['total_model'] / 1e6:.2f} MB)" for r in rows) + ".")
+    return fig, alt
