@@ -102,6 +102,8 @@ def fp32_cases():
                     "reduce_bucket_size": 500 if i < 2 else 10**8, "allgather_bucket_size": 10**8 if i < 2 else 500}
             cfg = {"optimizer": opt, "gradient_accumulation_steps": 3 if i == 3 else 2,
                    "gradient_clipping": [0.3, 0, 0.05, 0][i], "zero_optimization": zero}
+            if stage and i in (1, 2):   # stages 1-2: the ring pair too (gloo's default is all-reduce + broadcasts)
+                cfg["zerolab"] = {"collectives": "reduce_scatter"}
             if i == 3:
                 cfg["scheduler"] = sched
             cases.append({"model": kind, "config": cfg})

@@ -58,7 +58,7 @@ def test_memory_equals_estimate_and_census(n):
             assert held is None or held == mem["total"] + mem["buffers"], (n, stage, prec, bucket, held, mem)
 
 
-def comm_worker(cases):
+def comm_worker(cases, collectives="reduce_scatter"):
     rank, n = dist.get_rank(), dist.get_world_size()
     out = []
     for stage, prec, gas, bucket in cases:
@@ -67,7 +67,7 @@ def comm_worker(cases):
                                        "gradient_accumulation_steps": gas,
                                        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
                                                              "allgather_bucket_size": bucket},
-                                       **PRECISIONS[prec]})
+                                       "zerolab": {"collectives": collectives}, **PRECISIONS[prec]})
         engine.comm.reset()  # the broadcast at initialize is not part of a step
         for k in range(gas):
             x, y = synthetic_batch(model, 2 * n * gas, seed=3, step=k, rank=rank, world_size=n)
@@ -121,7 +121,7 @@ def no_reduce_scatter_worker(stage):
     for rs in (True, False):
         model = TinyGPT.preset("micro", seed=1)
         engine = zl.initialize(model, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-                                       "gradient_accumulation_steps": 2,
+                                       "gradient_accumulation_steps": 2, "zerolab": {"collectives": "reduce_scatter"},
                                        "zero_optimization": {"stage": stage, "reduce_scatter": rs}})
         engine.comm.reset()
         for k in range(2):

@@ -32,8 +32,11 @@ _DONE = {ev.REDUCE_DONE: ev.REDUCE_ISSUED, ev.GATHER_DONE: ev.GATHER_ISSUED}
 
 
 def ds_config(stage, *, precision="fp32", optimizer="Adam", lr=3e-3, weight_decay=0.0, bucket=None,
-              gather_bucket=None, overlap=None, gas=1, clip=0.0, link=None, trace=False) -> dict:
-    """A DeepSpeed-style config dict (the keys a DeepSpeed user writes); None leaves DeepSpeed's default."""
+              gather_bucket=None, overlap=None, gas=1, clip=0.0, link=None, trace=False,
+              collectives="reduce_scatter") -> dict:
+    """A DeepSpeed-style config dict (the keys a DeepSpeed user writes); None leaves DeepSpeed's default.
+    ``collectives``: stages 1-2's pair (engine/stage1.py); the book's runs default to the ring
+    algorithm's reduce-scatter + all-gather, whose bytes the formulas give ("per_backend": gloo's pair)."""
     zero = {"stage": stage}
     if bucket is not None:
         zero["reduce_bucket_size"] = bucket
@@ -48,6 +51,8 @@ def ds_config(stage, *, precision="fp32", optimizer="Adam", lr=3e-3, weight_deca
            "gradient_clipping": clip, "zero_optimization": zero, **PRECISION_KEYS[precision]}
     if link or trace:
         cfg["zerolab"] = {"link": link, "trace": trace}
+    if stage in (1, 2) and collectives != "per_backend":
+        cfg.setdefault("zerolab", {})["collectives"] = collectives
     return cfg
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from zerolab.config.optimizer import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
 from zerolab.config.precision import FP16Config, check_precision, read_bf16, read_fp16, read_grad_accum_dtype
-from zerolab.config.schema import ConfigError, is_auto, load_json, read_bool, read_float, read_int, section
+from zerolab.config.schema import ConfigError, is_auto, load_json, read_bool, read_choice, read_float, read_int, section
 from zerolab.config.zero import ZEROPP_KEYS, ZeroConfig, check_zeropp, read_zero
 
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -36,7 +36,11 @@ TOP_IGNORED = ("steps_per_print", "wall_clock_breakdown", "flops_profiler", "act
                "seq_parallel_communication_data_type", "disable_allgather", "train_batch_size_per_gpu",
                "gradient_accumulation_dtype", "eigenvalue", "progressive_layer_drop", "nebula", "sparse_attention",
                "quantize_training", "weight_quantization", "hybrid_engine", "timers", "torch_autocast")
-ZEROLAB_KEYS = ("debug", "link", "trace", "units") + tuple(ZEROPP_KEYS)   # zerolab's own section
+ZEROLAB_KEYS = ("debug", "link", "trace", "units", "collectives") + tuple(ZEROPP_KEYS)   # zerolab's own section
+# stages 1-2's collectives (engine/stage1.py): "reduce_scatter" = reduce-scatter the gradients, all-gather the
+# parameters (the ring algorithm's bytes, NCCL's fast pair); "all_reduce" = all-reduce the gradients, each rank
+# broadcasts its shard (gloo's fast pair); "per_backend" = all_reduce on gloo, reduce_scatter on any other backend
+COLLECTIVES = ("per_backend", "reduce_scatter", "all_reduce")
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Config:
     trace: bool = False
     qwz_group_size: int = ZEROPP_KEYS["qwz_group_size"]   # ZeRO++ quantization groups (config/zero.py)
     qgz_group_size: int = ZEROPP_KEYS["qgz_group_size"]
+    collectives: str = "per_backend"        # stages 1-2: "per_backend" | "reduce_scatter" | "all_reduce"
     units: tuple[str, ...] | None = None    # stage 3's wrap policy: module class names that are units (None: default)
     ignored: tuple[str, ...] = ()           # DeepSpeed keys accepted but not implemented
     notes: tuple[str, ...] = ()
@@ -105,6 +110,7 @@ class Config:
             **{k: read_int(zl, k, "zerolab", v, minimum=0 if k == "qgz_group_size" else 1)
                for k, v in ZEROPP_KEYS.items()},
             units=read_units(zl),
+            collectives=read_choice(zl, "collectives", "zerolab", "per_backend", COLLECTIVES),
             ignored=tuple(ignored), notes=tuple(notes),
             gas_given=read_int(top, "gradient_accumulation_steps", "", None, minimum=1) is not None)
         check_zeropp(cfg.zero, cfg.precision)

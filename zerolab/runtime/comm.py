@@ -165,6 +165,7 @@ class Communicator:
             raise ValueError("a process group was given, but torch.distributed is not initialised")
         self.rank = 0 if local else dist.get_rank(group)
         self.world_size = 1 if local else dist.get_world_size(group)
+        self.backend = "local" if local else dist.get_backend(group)   # "gloo", "nccl", ...
         world = 1 if local else dist.get_world_size()
         if ranks_per_node is None:
             ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if not local else 1

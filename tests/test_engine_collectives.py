@@ -1,0 +1,100 @@
+"""Stages 1-2's collectives per backend (``zerolab.collectives``, engine/stage1.py; chapter 4).
+
+gloo's "per_backend" pair is an all-reduce of the gradients and one broadcast per rank and unit of the
+updated parameters; the ring pair (NCCL's) is reduce-scatter + all-gather. Both must reach the
+same parameters (tests/test_engine_equivalence.py runs both against single-process training), the
+ledger must book what each sends, and a broadcast that misses a rank's shard must be caught.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerolab as zl
+from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
+from zerolab.engine.stage1 import Stage1Engine, pick_collectives
+
+import test_engine_equivalence as eq
+
+
+def test_auto_picks_all_reduce_on_gloo_only():
+    assert pick_collectives("per_backend", "gloo") == "all_reduce"
+    assert pick_collectives("per_backend", "nccl") == "reduce_scatter"
+    assert pick_collectives("per_backend", "local") == "reduce_scatter"
+    assert pick_collectives("reduce_scatter", "gloo") == "reduce_scatter"
+    assert pick_collectives("all_reduce", "nccl") == "all_reduce"
+
+
+def test_bad_collectives_value_is_named():
+    with pytest.raises(zl.ConfigError, match=r"zerolab.collectives: 'ring' is not allowed.*'all_reduce'"):
+        zl.Config.from_deepspeed({"zerolab": {"collectives": "ring"}})
+
+
+def ledger_worker(cases):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = []
+    for stage, gas, collectives in cases:
+        model = TinyGPT.preset("micro", seed=1)
+        engine = zl.initialize(model, {"optimizer": {"type": "SGD", "params": {"lr": 1e-2}},
+                                       "gradient_accumulation_steps": gas, "zerolab": {"collectives": collectives},
+                                       "zero_optimization": {"stage": stage, "reduce_bucket_size": 1500,
+                                                             "allgather_bucket_size": 1500}})
+        engine.comm.reset()
+        for k in range(gas):
+            x, y = synthetic_batch(model, 2 * n * gas, seed=3, step=k, rank=rank, world_size=n)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+        out.append(([(r.op, r.bytes) for r in engine.comm.records], engine.flat.padded, len(engine.flat.units),
+                    len(engine.buckets), engine.grad_collective, engine.param_collective))
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_pair_ledger_books_all_reduce_and_broadcasts(n):
+    """per_backend on gloo: 2Ψ(N-1)/N all-reduced per reduction round, and each rank sends (N-1) of the N
+    broadcasts of every unit's shard, (N-1)/N of Ψ in all: 1.5x the ring pair's algorithm bytes."""
+    cases = [(1, 1, "per_backend"), (1, 2, "per_backend"), (1, 1, "reduce_scatter")]
+    for rank_results in zl.launch(ledger_worker, world_size=n, args=(cases,), threads=1):
+        for (stage, gas, collectives), (recs, padded, units, buckets, gop, pop) in zip(cases, rank_results):
+            by_op = {}
+            for op, nbytes in recs:
+                by_op[op] = by_op.get(op, 0) + nbytes
+            if collectives == "per_backend":
+                assert (gop, pop) == ("all_reduce", "broadcast")
+                assert by_op == {"all_reduce": 2 * 4 * padded * (n - 1) // n,
+                                 "broadcast": 4 * padded * (n - 1) // n}, (stage, gas, by_op)
+                assert sum(op == "broadcast" for op, _ in recs) == n * units   # one per rank and unit
+                assert sum(op == "all_reduce" for op, _ in recs) == buckets    # one per bucket, in place
+            else:
+                assert (gop, pop) == ("reduce_scatter", "all_gather")
+                assert sum(by_op.values()) == zl.comm_volume(padded, n, stage, 4, gas)
+
+
+def test_planted_broadcast_that_skips_a_shard_is_caught(monkeypatch):
+    """Plant the bug: the last rank never broadcasts its shard (the others keep stale values).
+    The single-process comparison must fail with it and pass without."""
+    case = {"model": "gpt", "config": {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                       "zero_optimization": {"stage": 1}}}
+    n = 2
+    want = eq.reference(case, n)
+    real = Stage1Engine._issue_gather
+
+    def planted(self, i):
+        comm, bc = self.communicator, self.communicator.broadcast
+
+        def skip_last(tensor, src=0, async_op=False, tag=""):
+            if src == self.world_size - 1:
+                tensor = tensor.clone()   # received into a copy: the flat buffer keeps its stale shard
+            return bc(tensor, src=src, async_op=async_op, tag=tag)
+        comm.broadcast = skip_last
+        try:
+            real(self, i)
+        finally:
+            del comm.broadcast
+    for plant in (False, True):
+        if plant:
+            monkeypatch.setattr(Stage1Engine, "_issue_gather", planted)
+        got = zl.launch(eq.run_cases, world_size=n, args=([case],), threads=1)[0][0]
+        close = all(torch.allclose(got[k], want[k].float(), rtol=1e-4, atol=1e-5) for k in want)
+        assert close != plant, plant
