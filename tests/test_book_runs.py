@@ -56,5 +56,7 @@ def test_watch_backward_sees_zero2_staging_buffers():
                      kwargs=dict(steps=1, watch_backward=True, state=False))
     small, big = runs[0]
     full = 4 * small["padded"]
-    assert small["peak_backward"] < big["peak_backward"]
-    assert big["peak_backward"] == full + full // 2                   # whole-model staging + the shard
+    # each unit is reduced as soon as its gradients are in, whatever the bucket (no overlap): the shard plus
+    # the units being filled, less than the one full gradient stage 1 holds (before: full + the shard)
+    assert small["peak_backward"] == big["peak_backward"] < full
+    assert big["peak_backward"] > full // 2                            # the shard, and something staged

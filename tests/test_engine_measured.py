@@ -76,7 +76,8 @@ def comm_worker(cases, collectives="reduce_scatter"):
         recs = [(r.op, r.bytes, r.numel, r.tag) for r in engine.comm.records]
         out.append((recs, engine.flat.padded, len(engine.buckets), len(engine.flat.units),
                     [sum(u.padded for u in b) for b in engine.buckets],
-                    [u.padded for b in engine.buckets for u in b]))
+                    [u.padded for b in engine.buckets for u in b],
+                    [u.padded for b in engine.buckets for u in reversed(b)]))   # backward order
     return out
 
 
@@ -86,7 +87,7 @@ def test_ledger_bytes_equal_comm_volume(n):
              for b in (1500, 10**8)]
     results = zl.launch(comm_worker, world_size=n, args=(cases,), timeout=300, threads=1)
     for rank_results in results:
-        for (stage, prec, gas, bucket), (recs, padded, nb, n_units, bucket_numels, unit_numels) in \
+        for (stage, prec, gas, bucket), (recs, padded, nb, n_units, bucket_numels, unit_numels, backward) in \
                 zip(cases, rank_results):
             by_op = {}
             for op, nbytes, _, _ in recs:
@@ -106,8 +107,9 @@ def test_ledger_bytes_equal_comm_volume(n):
             # bucket sizes show as the number and size of the collectives
             reductions = [numel for op, _, numel, _ in recs if op in ("all_reduce", "reduce_scatter")]
             rounds = gas if stage == 2 else 1
-            # stage 1 reduce-scatters a bucket unit by unit (no packing copy); stage 2 the bucket's staging
-            assert reductions == (unit_numels if stage == 1 else bucket_numels * rounds)
+            # stages 1-2 reduce-scatter a bucket unit by unit (no packing copy); stage 2 each unit as soon as
+            # its gradients are in, in backward order (no whole-bucket staging)
+            assert reductions == {0: bucket_numels, 1: unit_numels, 2: backward * rounds}[stage]
             assert len([r for r in recs if r[0] == "all_gather"]) == (n_units if stage else 0)   # unit by unit
             if bucket == 1500:
                 assert nb == 5  # small buckets: one unit each (rest: tied wte/head, wpe, 2 blocks, ln_f)

@@ -110,7 +110,13 @@ class GradientBuckets:
         """Before a backward: every bucket waits for all its parameters' gradients."""
         self._left = list(self._bucket_params)
         self._ready = [False] * len(self.buckets)
-        self._next_bucket, self._pending = 0, []
+        self._next_bucket, self._pending, self._announced = 0, [], set()
+
+    def announce(self, i: int) -> None:
+        """Bucket ``i``'s first collective is issued (the trace's REDUCE_ISSUED, once per backward)."""
+        if i not in self._announced:
+            self._announced.add(i)
+            self.event(ev.REDUCE_ISSUED, i)
 
     def grad_arrived(self, p) -> None:
         """``p``'s gradient is kept: its bucket may now be complete."""
@@ -123,7 +129,7 @@ class GradientBuckets:
     def launch_ready(self) -> None:
         """Issue ready buckets in bucket order (every rank must call collectives in the same order)."""
         while self._next_bucket < len(self.buckets) and self._ready[self._next_bucket]:
-            self.event(ev.REDUCE_ISSUED, self._next_bucket)
+            self.announce(self._next_bucket)
             self.reduce_bucket(self._next_bucket)
             self._next_bucket += 1
 
@@ -133,19 +139,25 @@ class GradientBuckets:
         self._ready = [True] * len(self.buckets)
         self.launch_ready()
         self.event(ev.BACKWARD_END)
-        for handle, finish, _, index in self._pending:
-            handle.wait()
-            if finish is not None:
-                finish()
-            self.event(ev.REDUCE_DONE, index)
-        self._pending = []
+        while self._pending:
+            self.finish_oldest()
 
-    def track(self, handle, finish=None, keep=(), index: int = -1) -> None:
+    def finish_oldest(self) -> None:
+        """Wait for the oldest collective in flight and finish it (its buffers are then freed)."""
+        handle, finish, _, index = self._pending.pop(0)
+        handle.wait()
+        self._finished(finish, index)
+
+    def _finished(self, finish, index) -> None:
+        if finish is not None:
+            finish()
+        if index is not None:   # None: the finish reports the bucket's end itself (stage 2, unit by unit)
+            self.event(ev.REDUCE_DONE, index)
+
+    def track(self, handle, finish=None, keep=(), index: int | None = -1) -> None:
         """Finish a collective now if it is done (overlap off), else when backward ends."""
         if handle.done:
-            if finish is not None:
-                finish()
-            self.event(ev.REDUCE_DONE, index)
+            self._finished(finish, index)
         else:
             self._pending.append((handle, finish, keep, index))
 
@@ -159,9 +171,7 @@ class GradientBuckets:
             handle, finish, _, index = entry
             if handle.is_completed():
                 handle.wait()  # returns at once; books the ledger record
-                if finish is not None:
-                    finish()
-                self.event(ev.REDUCE_DONE, index)
+                self._finished(finish, index)
             else:
                 still.append(entry)
         self._pending = still

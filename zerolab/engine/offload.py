@@ -216,6 +216,7 @@ class OffloadOptimizer:
 
 class OffloadMixin:
     """Put in front of a stage engine class: the optimizer becomes an ``OffloadOptimizer``."""
+    stages_buckets_whole = True   # stage 2-3: a bucket's reduced shard leaves for the host in one piece
 
     def build_optimizer(self) -> None:
         z = self.config.zero

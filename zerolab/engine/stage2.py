@@ -2,16 +2,25 @@
 
 Stage 1 plus one idea: a rank only ever *uses* the reduced gradient of its
 own shard, so it need not keep the rest. During backward, each parameter's
-fresh gradient is copied into its bucket's staging buffer and ``p.grad`` is
-dropped; when the bucket is complete it is reduce-scattered straight into
-this rank's gradient shard and the staging buffer is freed. Between backward
-and step a rank holds gradients for Ψ/N elements only.
+fresh gradient is copied into its unit's staging buffer and ``p.grad`` is
+dropped; as soon as the unit's last gradient is in, the unit is reduced
+straight into this rank's gradient shard and its staging buffer is freed.
+Between backward and step a rank holds gradients for Ψ/N elements only;
+during backward, the units being filled or in flight.
 
-The staging buffer is laid out *rank-major* — row r holds rank r's shard of
-every unit in the bucket — so the reduce-scatter needs no packing copy:
+A unit's staging buffer has the unit's own layout, which is already its N
+shards in rank order, so the reduce-scatter reads it as it is:
 
-    staging (N x ΣS):  row 0 = [u1 shard 0 | u2 shard 0]   -> rank 0
-                       row 1 = [u1 shard 1 | u2 shard 1]   -> rank 1
+    staging of unit u (N x S):  [ shard 0 | shard 1 | ... ]   -> rank r gets the sum of shard r
+
+Buckets (``reduce_bucket_size``) still group units: their collectives are
+issued unit by unit, in backward order, and the bucket is done when its last
+unit is; with ``overlap_comm`` a bucket's size bounds the gradient elements
+staged or in flight at once (the oldest collective is waited for first). On
+gloo (``pick_collectives``) a unit's buffer is all-reduced in place and this
+rank's slice kept. A subclass whose collective needs a whole bucket at once
+(ZeRO++'s qgZ all-to-all, the offload engines) sets ``stages_buckets_whole``:
+its bucket is staged *rank-major* (row r = rank r's shard of every unit).
 
 The price: gradients cannot wait for the accumulation boundary (nobody keeps
 the full sum), so *every* micro-batch reduce-scatters; per step that is
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from zerolab.engine import events as ev
 from zerolab.runtime.measure import storage_bytes
 from zerolab.engine.buckets import rank_major_pieces
 from zerolab.engine.stage1 import Stage1Engine
@@ -31,16 +41,22 @@ from zerolab.engine.stage1 import Stage1Engine
 class Stage2Engine(Stage1Engine):
     stage = 2
     reduce_every_micro_step = True
+    stages_buckets_whole = False   # True: a bucket's gradients are staged rank-major for one collective
 
     def build_grads(self) -> None:
-        """Only this rank's gradient shard is kept; full gradients exist briefly, per bucket."""
+        """Only this rank's gradient shard is kept; full gradients exist briefly, per unit."""
         # gradient shard, grad dtype: padded Ψ / N elements (contiguous_gradients)
         self.grad_shard = torch.zeros(self.flat.shard_numel, dtype=self.precision.grad_dtype, device=self.flat.device)
-        self._staging = [None] * len(self.buckets)  # per bucket: its full gradients, alive only during backward
+        units = self.flat.units
+        self._unit_staging = {}   # unit index -> its full gradient (padded_u,), alive until its collective is done
+        self._place = {id(p): (j, off) for j, u in enumerate(units) for (_, p), off in zip(u.params, u.offsets)}
+        self._unit_index = index = {id(u): j for j, u in enumerate(units)}
+        self._order = [index[id(u)] for b in self.buckets for u in reversed(b)]   # backward order
+        self._bucket_of_unit = {index[id(u)]: i for i, b in enumerate(self.buckets) for u in b}
+        self._staging = [None] * len(self.buckets)   # stages_buckets_whole: per bucket, rank-major
         self._pieces = {}                            # id(p) -> (bucket, [(src start, src end, dst start)])
-        for i, b in enumerate(self.buckets):
-            row = sum(u.shard for u in b)            # ΣS: one rank's share of the bucket
-            col = 0
+        for i, b in enumerate(self.buckets if self.stages_buckets_whole else []):
+            row, col = sum(u.shard for u in b), 0    # ΣS: one rank's share of the bucket
             for u in b:
                 for (_, p), off in zip(u.params, u.offsets):
                     self._pieces[id(p)] = (i, rank_major_pieces(off, p.numel(), u.shard, row, col))
@@ -48,6 +64,89 @@ class Stage2Engine(Stage1Engine):
         for p in self.flat.params():
             p.grad = None
 
+    def reset_buckets(self) -> None:
+        super().reset_buckets()
+        self._unit_left = [len(u.params) for u in self.flat.units]   # gradients still to come, per unit
+        self._unit_ready = [False] * len(self.flat.units)
+        self._units_left = [len(b) for b in self.buckets]             # units not yet reduced, per bucket
+        self._next_unit = 0                                           # position in self._order
+
+    def _unit_buffer(self, j: int) -> torch.Tensor:
+        if j not in self._unit_staging:
+            # staging, grad dtype: the unit's padded elements (zeros: padding and unused params)
+            self._unit_staging[j] = torch.zeros(self.flat.units[j].padded, dtype=self.grad_shard.dtype,
+                                                device=self.grad_shard.device)
+        return self._unit_staging[j]
+
+    def keep_grad(self, p) -> None:
+        """Copy the fresh gradient into its unit's staging buffer and drop ``p.grad``."""
+        g = p.grad.view(-1)
+        if self.stages_buckets_whole:
+            i, pieces = self._pieces[id(p)]
+            staging = self._staging_buffer(i)
+            for a, b, d in pieces:
+                staging[d: d + b - a].copy_(g[a:b])
+        else:
+            j, off = self._place[id(p)]
+            self._unit_buffer(j)[off: off + g.numel()].copy_(g)
+        p.grad = None
+
+    def grad_arrived(self, p) -> None:
+        """A unit whose gradients are all in is reduced now (in backward order), not with its bucket."""
+        if not self.stages_buckets_whole:
+            j = self._place[id(p)][0]
+            self._unit_left[j] -= 1
+            if self._unit_left[j] == 0:
+                self._unit_ready[j] = True
+                self._reduce_ready_units()
+        super().grad_arrived(p)
+
+    def reduce_bucket(self, i: int) -> None:
+        """Bucket ``i`` is complete (or backward ended): reduce what is left of it."""
+        if self.stages_buckets_whole:
+            return super().reduce_bucket(i)
+        for u in self.buckets[i]:   # units without gradients (unused parameters) go as zeros
+            self._unit_ready[self._unit_index[id(u)]] = True
+        self._reduce_ready_units()
+
+    def _reduce_ready_units(self) -> None:
+        """Issue the ready units in backward order (every rank must call collectives in the same order)."""
+        while self._next_unit < len(self._order) and self._unit_ready[self._order[self._next_unit]]:
+            self.reduce_unit(self._order[self._next_unit])
+            self._next_unit += 1
+
+    def reduce_unit(self, j: int) -> None:
+        """Reduce unit ``j``'s staging buffer into this rank's gradient shard; free the buffer when done."""
+        u, i = self.flat.units[j], self._bucket_of_unit[j]
+        if self.overlap_comm:   # the bucket bounds what is staged or in flight: wait for the oldest first
+            while self._pending and self.transient_bytes() // self.grad_shard.element_size() > \
+                    self.config.zero.reduce_bucket_size:
+                self.finish_oldest()
+        staging = self._unit_buffer(j)   # zeros if none of its parameters got a gradient (unused)
+        del self._unit_staging[j]        # from here on only the collective holds it
+        dest = self.flat.shard_view(self.grad_shard, u)
+        first = self.micro_steps % self.gas == 0   # first micro-batch of the step: the shard is zero
+        self.announce(i)
+        if self.grad_collective == "reduce_scatter":
+            out = dest if first else torch.empty_like(dest)
+            h = self.communicator.reduce_scatter(out, staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
+            keep = (staging,) if first else (staging, out)
+        else:                   # gloo: all-reduce in place, keep this rank's slice
+            out = staging[self.rank * u.shard: (self.rank + 1) * u.shard]
+            h = self.communicator.all_reduce(staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
+            keep = (staging,)
+
+        def finish():
+            if out is not dest and first:
+                dest.copy_(out)
+            elif out is not dest:
+                dest.add_(out)
+            self._units_left[i] -= 1
+            if self._units_left[i] == 0:
+                self.event(ev.REDUCE_DONE, i)
+        self.track(h, finish, keep, None)
+
+    # ---------------------------------------------------------------- a bucket staged whole
     def _staging_buffer(self, i: int) -> torch.Tensor:
         if self._staging[i] is None:
             numel = self.world_size * sum(u.shard for u in self.buckets[i])
@@ -55,36 +154,29 @@ class Stage2Engine(Stage1Engine):
             self._staging[i] = torch.zeros(numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
         return self._staging[i]
 
-    def keep_grad(self, p) -> None:
-        """Move the fresh gradient into its bucket's staging buffer and drop ``p.grad``."""
-        i, pieces = self._pieces[id(p)]
-        staging, g = self._staging_buffer(i), p.grad.view(-1)
-        for a, b, d in pieces:
-            staging[d: d + b - a].copy_(g[a:b])
-        p.grad = None
-
     def _bucket_shard(self, i: int) -> torch.Tensor:
         """This rank's gradient shard of bucket ``i``: contiguous in shard space, (ΣS,)."""
         b = self.buckets[i]
         return self.grad_shard[b[0].shard_offset: b[-1].shard_offset + b[-1].shard]
 
     def reduce_scatter_grads(self, i: int) -> None:
-        """Reduce-scatter bucket ``i`` into this rank's gradient shard; free the bucket."""
+        """Reduce-scatter bucket ``i``'s rank-major staging into this rank's gradient shard; free it."""
         staging, self._staging[i] = self._staging_buffer(i), None
         dest = self._bucket_shard(i)
-        first = self.micro_steps % self.gas == 0  # first micro-batch of the step: the shard is zero
+        first = self.micro_steps % self.gas == 0
         out = dest if first else torch.empty_like(dest)
         h = self.communicator.reduce_scatter(out, staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
         self.track(h, None if first else (lambda: dest.add_(out)), (staging,) if first else (staging, out), i)
 
     def all_reduce_grads(self, i: int) -> None:
-        """``"reduce_scatter": false``: all-reduce the bucket (2x the bytes), keep this rank's row."""
+        """All-reduce bucket ``i``'s rank-major staging (2x the bytes), keep this rank's row."""
         staging, self._staging[i] = self._staging_buffer(i), None
         dest = self._bucket_shard(i)
         h = self.communicator.all_reduce(staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
         mine = staging[self.rank * dest.numel(): (self.rank + 1) * dest.numel()]
         self.track(h, lambda: dest.add_(mine), (staging,), i)
 
+    # ---------------------------------------------------------------- what the step reads, memory
     def owned_grads(self) -> list[torch.Tensor]:
         return [self.flat.shard_view(self.grad_shard, u) for u in self.flat.units]
 
@@ -97,4 +189,5 @@ class Stage2Engine(Stage1Engine):
     def transient_bytes(self) -> int:
         storages = {t.untyped_storage().data_ptr(): storage_bytes(t) for _, _, keep, _ in self._pending for t in keep}
         storages.update({s.untyped_storage().data_ptr(): storage_bytes(s) for s in self._staging if s is not None})
+        storages.update({s.untyped_storage().data_ptr(): storage_bytes(s) for s in self._unit_staging.values()})
         return sum(storages.values())

@@ -169,6 +169,11 @@ class ZeroPPEngine(Stage3Engine):
         self._fresh.clear()   # the shards changed: the next forward gathers (and keeps) again
 
     # ---------------------------------------------------------------- gradients: qgZ
+    @property
+    def stages_buckets_whole(self) -> bool:
+        """qgZ's all-to-all reduces a bucket's rank-major staging in one piece (stage2.py)."""
+        return self.qgz
+
     def reduce_scatter_grads(self, i: int) -> None:
         b, quantized = self.buckets[i], self._qgz_units[i]
         if not quantized:
