@@ -1,4 +1,5 @@
-"""Stages 1-2's collectives per backend (``zerolab.collectives``, engine/stage1.py; chapter 4).
+"""Stages 1-2's collectives per backend (``zerolab.collectives``, engine/stage1.py; chapter 4), and stage 2
+reducing unit by unit (engine/stage2.py; chapter 5).
 
 gloo's "per_backend" pair is an all-reduce of the gradients and one broadcast per rank and unit of the
 updated parameters; the ring pair (NCCL's) is reduce-scatter + all-gather. Both must reach the
@@ -98,3 +99,57 @@ def test_planted_broadcast_that_skips_a_shard_is_caught(monkeypatch):
         got = zl.launch(eq.run_cases, world_size=n, args=([case],), threads=1)[0][0]
         close = all(torch.allclose(got[k], want[k].float(), rtol=1e-4, atol=1e-5) for k in want)
         assert close != plant, plant
+
+
+def test_planted_stage2_unit_never_reduced_is_caught(monkeypatch):
+    """Plant the bug: stage 2 skips one unit's collective (every rank alike, so nothing hangs): that
+    unit's gradient shard stays zero. The single-process comparison must fail with it."""
+    from zerolab.engine.stage2 import Stage2Engine
+    case = {"model": "gpt", "config": {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                       "zero_optimization": {"stage": 2}}}
+    want = eq.reference(case, 2)
+    real = Stage2Engine.reduce_unit
+
+    def planted(self, j):
+        if j == 2:   # a block
+            del self._unit_staging[j]
+            return
+        real(self, j)
+    for plant in (False, True):
+        if plant:
+            monkeypatch.setattr(Stage2Engine, "reduce_unit", planted)
+        got = zl.launch(eq.run_cases, world_size=2, args=([case],), threads=1)[0][0]
+        close = all(torch.allclose(got[k], want[k].float(), rtol=1e-4, atol=1e-5) for k in want)
+        assert close != plant, plant
+
+
+def peak_worker():
+    """Stage 2, DeepSpeed's default bucket (the whole model), no overlap: the largest grads + buffers
+    seen after any gradient hook during backward, and the full fp32 gradient's bytes."""
+    from zerolab.engine.stage2 import Stage2Engine   # noqa: F401 (monkeypatched in the parent)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = TinyGPT.preset("micro", seed=1)
+    engine = zl.initialize(model, {"optimizer": {"type": "SGD", "params": {"lr": 1e-2}},
+                                   "zero_optimization": {"stage": 2}})
+    seen = []
+    for p in engine.flat.params():
+        p.register_post_accumulate_grad_hook(lambda _: seen.append(engine.memory().grads + engine.memory().buffers))
+    x, y = synthetic_batch(model, 2 * n, seed=3, rank=rank, world_size=n)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    return max(seen), 4 * engine.flat.padded, max(u.padded for u in engine.flat.units)
+
+
+def test_stage2_holds_units_not_the_bucket_during_backward(monkeypatch):
+    """With one bucket for the whole model, the gradient bytes held during backward stay below one
+    full gradient (the shard plus the units being filled); staging the bucket whole (the planted
+    bug, and the old design) holds the full gradient plus the shard."""
+    from zerolab.engine.stage2 import Stage2Engine
+    for plant in (False, True):
+        if plant:
+            monkeypatch.setattr(Stage2Engine, "stages_buckets_whole", True)
+        peak, full, largest = zl.launch(peak_worker, world_size=2, threads=1)[0]
+        if plant:
+            assert peak == full + full // 2
+        else:   # shard + the tied embedding's unit (filled from first to last) + one more unit
+            assert full // 2 < peak <= full // 2 + 4 * 2 * largest < full + full // 2

@@ -73,10 +73,21 @@ class Stage2Engine(Stage1Engine):
 
     def _unit_buffer(self, j: int) -> torch.Tensor:
         if j not in self._unit_staging:
-            # staging, grad dtype: the unit's padded elements (zeros: padding and unused params)
-            self._unit_staging[j] = torch.zeros(self.flat.units[j].padded, dtype=self.grad_shard.dtype,
-                                                device=self.grad_shard.device)
+            u = self.flat.units[j]
+            # staging, grad dtype: the unit's padded elements; every gradient is copied in whole, so only
+            # the padding is zeroed here (and, in reduce_unit, the parameters that got no gradient)
+            buf = torch.empty(u.padded, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+            buf[u.numel:].zero_()
+            self._unit_staging[j] = buf
         return self._unit_staging[j]
+
+    def _zero_missing(self, j: int, staging: torch.Tensor) -> None:
+        """Unit ``j`` goes with parameters that got no gradient in this backward (unused): zeros for them."""
+        u = self.flat.units[j]
+        ends = u.offsets[1:] + [u.numel]
+        for (_, p), a, b in zip(u.params, u.offsets, ends):
+            if id(p) not in self._fired:
+                staging[a:b].zero_()
 
     def keep_grad(self, p) -> None:
         """Copy the fresh gradient into its unit's staging buffer and drop ``p.grad``."""
@@ -122,8 +133,10 @@ class Stage2Engine(Stage1Engine):
             while self._pending and self.transient_bytes() // self.grad_shard.element_size() > \
                     self.config.zero.reduce_bucket_size:
                 self.finish_oldest()
-        staging = self._unit_buffer(j)   # zeros if none of its parameters got a gradient (unused)
+        staging = self._unit_buffer(j)
         del self._unit_staging[j]        # from here on only the collective holds it
+        if self._unit_left[j]:
+            self._zero_missing(j, staging)
         dest = self.flat.shard_view(self.grad_shard, u)
         first = self.micro_steps % self.gas == 0   # first micro-batch of the step: the shard is zero
         self.announce(i)
