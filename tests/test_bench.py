@@ -83,8 +83,9 @@ def test_smoke_params_agree_and_ledger_matches_theory(smoke):
         else:
             assert r["max_abs_diff"] < 1e-5, key
     for stage in (0, 1, 2):  # our ledger, measured, vs the ring formula (fp32: 4 bytes)
-        assert rows[f"ours-{stage}"]["bytes_per_step"] == pytest.approx(
-            comm_volume(psi, 2, stage, dtype_bytes=4), rel=0.02)
+        # stages 1-2 on gloo run all-reduce + broadcasts (engine/stage1.py): 3Ψ(N-1)/N, 1.5x the ring pair
+        expected = comm_volume(psi, 2, stage, dtype_bytes=4) * (1.5 if stage else 1)
+        assert rows[f"ours-{stage}"]["bytes_per_step"] == pytest.approx(expected, rel=0.02)
 
 
 def test_theory_bytes_for_deepspeed_zero3_persistent_parameters():

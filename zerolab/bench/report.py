@@ -70,8 +70,10 @@ def world_table(result: dict, world: dict) -> str:
                          f"({q['serial_ms']:.1f} -> {q['overlap_ms']:.1f} ms)")
     if world.get("floor"):
         f = world["floor"]
-        lines.append(f"floor, same run: one rank's micro-batch alone {f['compute_ms']:.1f} ms + a bare all-reduce of "
-                     f"Ψ fp32 {f['comm_ms']:.1f} ms ({f['comm_bytes'] / MB:.2f} MB sent), scaled to each row's bytes")
+        lines.append(f"floor, same run: one rank's micro-batch alone {f['compute_ms']:.1f} ms (of which the optimizer "
+                     f"step {f.get('optimizer_ms', float('nan')):.1f} ms; sharded rows need 1/N of it) + a bare "
+                     f"all-reduce of Ψ fp32 {f['comm_ms']:.1f} ms ({f['comm_bytes'] / MB:.2f} MB sent), scaled to "
+                     f"each row's bytes")
     lines.append("CPU ms: CPU seconds per step of one rank (all its threads), mean over ranks; floor: the step with no "
                  "overhead (bench/floor.py); eff: floor / median; held/peak: resident MB the contender adds, max over "
                  "ranks (VmHWM); 16Ψ/N: fp32 Adam model states of its stage (theory); peak-16Ψ/N: the rest of the "

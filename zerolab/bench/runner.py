@@ -17,8 +17,9 @@ allocated: DeepSpeed's up-front ``reduce_bucket_size`` buffer (5e8 elements
 by default) is never touched on CPU and does not count. Bytes per step: our
 ledger; the peers' from the ring formulas. After the last step every contender's full parameters are compared with the
 first contender's (max abs difference): all of them do the same maths.
-Each round also times the floor (``floor.py``): one rank's micro-batch alone and a
-bare all-reduce of Ψ; each contender's *efficiency* is its floor / its median step.
+Each round also times the floor (``floor.py``): one rank's micro-batch alone (and its
+optimizer step, of which a sharded contender needs 1/N) and a bare all-reduce of Ψ;
+each contender's *efficiency* is its floor / its median step.
 
 ``--overlap`` times only our engine: ``overlap_comm`` off and on (stage 3:
 prefetch and overlap off and on), on raw loopback and on a simulated link
@@ -139,7 +140,7 @@ def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
     ba = BareAllReduce(sum(p.numel() for p in fc.model.parameters()), world)
     for _ in range(warmup + 1):
         one_step(fc), one_step(ba)
-    out["_floor"] = dict(compute=[], comm=[], comm_bytes=ba.bytes)
+    out["_floor"] = dict(compute=[], optimizer=[], comm=[], comm_bytes=ba.bytes)
     for rnd in range(repeats):
         order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
         for spec, r in order:
@@ -147,6 +148,7 @@ def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
                 out[spec.key]["times"].append(one_step(r, out[spec.key]["cpu"]))
         for _ in range(steps):   # the floor, in the same rounds
             out["_floor"]["compute"].append(one_step(fc))
+            out["_floor"]["optimizer"].append(fc.optimizer_s[-1])
             out["_floor"]["comm"].append(one_step(ba))
     ref = None
     for spec, r in runners:
@@ -210,7 +212,7 @@ def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, 
             states_theory_bytes=estimate(model_params(preset), world_size, spec.stage, "fp32").total,
             link=spec.cfg.get("zerolab", {}).get("link"),
             overlap_comm=spec.cfg["zero_optimization"].get("overlap_comm")))
-        with_floor(rows[-1], floor)
+        with_floor(rows[-1], floor, world_size)
         peaks = [p for p in rows[-1]["peak_bytes"] if p is not None]
         rows[-1]["peak_minus_states_bytes"] = max(peaks) - rows[-1]["states_theory_bytes"] if peaks else None
     return dict(world_size=world_size, contenders=rows, floor=floor)
