@@ -10,7 +10,9 @@ unit in the bucket, the units' buffers are laid out *rank-major*:
 
 ``rank_major`` packs and ``unpack_rank_major`` unpacks (chapter 4 shows the layout),
 and ``rank_major_pieces`` says where each parameter's gradient lands in a rank-major
-staging buffer, so stage 2 copies it there directly during backward. Stage 1 needs
+staging buffer, so a stage 2 that stages whole buckets (qgZ, offload) copies it there
+directly during backward; plain stage 2 stages each unit on its own (its layout is
+already rank-major). Stage 1 needs
 no packing: it reduce-scatters a bucket unit by unit (``HandleGroup`` finishes the
 bucket's collectives together), each straight from the flat gradient buffer. ``GradientBuckets`` is the engine's part that fires buckets as their
 gradients arrive (``grad_arrived`` from the gradient hook, ``launch_ready`` in

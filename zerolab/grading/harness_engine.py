@@ -53,7 +53,8 @@ def _zero1_worker(step_fn, steps, lr):
     state = {"m": torch.zeros(shard), "v": torch.zeros(shard), "step": 0}   # Adam state: 2 x S fp32
     engine = initialize(MLP(seed=0), {"train_micro_batch_size_per_gpu": 4,
                                         "optimizer": {"type": "Adam", "params": {"lr": lr}},
-                                        "zero_optimization": {"stage": 1}})
+                                        "zero_optimization": {"stage": 1},
+                                        "zerolab": {"collectives": "reduce_scatter"}})   # the ring pair
     engine.comm.reset()
     grad_errors = []
     for step in range(steps):
