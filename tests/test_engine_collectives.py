@@ -153,3 +153,36 @@ def test_stage2_holds_units_not_the_bucket_during_backward(monkeypatch):
             assert peak == full + full // 2
         else:   # shard + the tied embedding's unit (filled from first to last) + one more unit
             assert full // 2 < peak <= full // 2 + 4 * 2 * largest < full + full // 2
+
+
+def overlap_peak_worker(buckets):
+    """Stage 2 with overlap_comm: the largest grads + buffers held during one backward, per bucket size."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = []
+    for bucket in buckets:
+        model = TinyGPT.preset("micro", seed=1)
+        engine = zl.initialize(model, {"optimizer": {"type": "SGD", "params": {"lr": 1e-2}},
+                                       "zero_optimization": {"stage": 2, "overlap_comm": True,
+                                                             "reduce_bucket_size": bucket},
+                                       # gloo's reduce-scatter reports completion only when waited for
+                                       "zerolab": {"collectives": "reduce_scatter"}})
+        seen = []
+        for p in engine.flat.params():
+            p.register_post_accumulate_grad_hook(lambda _: seen.append(engine.memory().grads + engine.memory().buffers))
+        x, y = synthetic_batch(model, 2 * n, seed=3, rank=rank, world_size=n)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+        out.append(max(seen))
+    return out
+
+
+def test_overlap_keeps_within_the_bucket_and_a_planted_unbounded_overlap_is_caught(monkeypatch):
+    """With overlap_comm, reduce_bucket_size bounds what is staged or in flight (gloo's reduce-scatter
+    reports completion only when waited for, so without the bound every unit stays in flight until
+    backward ends)."""
+    from zerolab.engine.stage2 import Stage2Engine
+    for plant in (False, True):
+        if plant:
+            monkeypatch.setattr(Stage2Engine, "bound_in_flight", lambda self: None)
+        small, big = zl.launch(overlap_peak_worker, world_size=2, args=([1, 10**9],), threads=1)[0]
+        assert (small < big) != plant, (plant, small, big)

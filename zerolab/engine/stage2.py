@@ -129,10 +129,8 @@ class Stage2Engine(Stage1Engine):
     def reduce_unit(self, j: int) -> None:
         """Reduce unit ``j``'s staging buffer into this rank's gradient shard; free the buffer when done."""
         u, i = self.flat.units[j], self._bucket_of_unit[j]
-        if self.overlap_comm:   # the bucket bounds what is staged or in flight: wait for the oldest first
-            while self._pending and self.transient_bytes() // self.grad_shard.element_size() > \
-                    self.config.zero.reduce_bucket_size:
-                self.finish_oldest()
+        if self.overlap_comm:
+            self.bound_in_flight()
         staging = self._unit_buffer(j)
         del self._unit_staging[j]        # from here on only the collective holds it
         if self._unit_left[j]:
@@ -158,6 +156,13 @@ class Stage2Engine(Stage1Engine):
             if self._units_left[i] == 0:
                 self.event(ev.REDUCE_DONE, i)
         self.track(h, finish, keep, None)
+
+    def bound_in_flight(self) -> None:
+        """``overlap_comm``: the gradient elements staged or in flight stay within one bucket
+        (``reduce_bucket_size``): wait for the oldest collectives until they do."""
+        while self._pending and self.transient_bytes() // self.grad_shard.element_size() > \
+                self.config.zero.reduce_bucket_size:
+            self.finish_oldest()
 
     # ---------------------------------------------------------------- a bucket staged whole
     def _staging_buffer(self, i: int) -> torch.Tensor:
