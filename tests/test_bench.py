@@ -168,3 +168,7 @@ def test_memory_pass_sees_the_model_states():
             # resident pages: at least the states (zero-filled, so touched); allocator slack,
             # gloo and autograd on top vary from run to run, so no upper bound
             assert 0.95 * per_param * psi < held <= peak, (key, held, peak)
+    # each contender's memory pass ran in rank processes of its own (a later one would
+    # otherwise reuse the heap an earlier one freed and look smaller than it is)
+    pids = [set(r["memory_pids"]) for r in world["contenders"]]
+    assert all(len(p) == 2 for p in pids) and not pids[0] & pids[1], pids

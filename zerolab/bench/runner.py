@@ -8,9 +8,11 @@ noise falls on all of them alike; the ratio ours/peer compares medians from
 the same run. A step's time is the slowest rank's, each step starting at a
 barrier; warm-up steps are not timed.
 
-Per contender and rank, memory is measured in a first pass that builds and
-trains one contender at a time and tears it down before the next: *peak* =
-the highest resident set while it is built and trained (VmHWM,
+Per contender and rank, memory is measured first, each contender in fresh
+rank processes of its own (one ``zl.launch`` per contender: none inherits the
+heap another freed, whose pages it would reuse without raising the resident
+set, so the order of the contenders cannot favour anyone): *peak* = the
+highest resident set while it is built and trained (VmHWM,
 ``measure.PeakMeter("hwm")``), *held* = what stays resident after its last
 step, both above the resident set just before it was built. Resident, not
 allocated: DeepSpeed's up-front ``reduce_bucket_size`` buffer (5e8 elements
@@ -103,17 +105,15 @@ def overlap_specs(stages, world_size: int, batch: int, bucket: int, link: str) -
 
 
 # ---------------------------------------------------------------- one rank
-def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
-    """Runs on every rank: build all contenders, time them round-robin, cross-check parameters."""
+def _stepper(preset, batch, total):
+    """Every rank's batches for ``total`` steps and a function running one timed step of a runner."""
     import torch.distributed as dist
     from zerolab.book.models import synthetic_batch
     warnings.filterwarnings("ignore", category=FutureWarning)      # gloo's renamed collectives
     warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.jit inside the peers
     warnings.filterwarnings("ignore", module=r"deepspeed.*")
     rank, world = dist.get_rank(), dist.get_world_size()
-    total = warmup + 1 + steps * repeats
     data = [synthetic_batch(preset, batch, seed=0, step=k, rank=rank, world_size=world) for k in range(total)]
-    runners, out = [], {s.key: dict(times=[], cpu=[], held=None, peak=None, build_s=0.0) for s in specs}
 
     def one_step(r, cpu=None):
         x, y = data[r.steps]
@@ -124,10 +124,19 @@ def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
         if cpu is not None:
             cpu.append(time.process_time() - c0)  # all threads of this rank (compute + gloo)
         return t
+    return one_step
 
-    if memory:  # one contender at a time, each torn down before the next
-        for spec in specs:
-            out[spec.key].update(_memory_pass(spec, preset, warmup, one_step))
+
+def _memory_main(spec, preset, batch, warmup):
+    """Runs on every rank of a launch of its own: one contender's memory pass."""
+    return _memory_pass(spec, preset, warmup, _stepper(preset, batch, warmup + 1))
+
+
+def _rank_main(specs, preset, batch, steps, repeats, warmup):
+    """Runs on every rank: build all contenders, time them round-robin, cross-check parameters."""
+    import torch.distributed as dist
+    one_step = _stepper(preset, batch, warmup + 1 + steps * repeats)
+    runners, out = [], {s.key: dict(times=[], cpu=[], build_s=0.0) for s in specs}
     for spec in specs:
         t0 = time.perf_counter()
         r = bp.build(spec.kind, preset, spec.stage, spec.cfg)
@@ -137,7 +146,7 @@ def _rank_main(specs, preset, batch, steps, repeats, warmup, memory):
         r.reset_bytes()  # the ledger counts the timed steps only
         runners.append((spec, r))
     fc = FloorCompute(preset)   # the floor (floor.py): one micro-batch alone, a bare all-reduce of Ψ
-    ba = BareAllReduce(sum(p.numel() for p in fc.model.parameters()), world)
+    ba = BareAllReduce(sum(p.numel() for p in fc.model.parameters()), dist.get_world_size())
     for _ in range(warmup + 1):
         one_step(fc), one_step(ba)
     out["_floor"] = dict(compute=[], optimizer=[], comm=[], comm_bytes=ba.bytes)
@@ -181,7 +190,7 @@ def _memory_pass(spec, preset, warmup, one_step) -> dict:
     r.close()
     del r
     gc.collect()
-    return dict(peak=pm.peak, held=max(0, held))
+    return dict(peak=pm.peak, held=max(0, held), pid=os.getpid())
 
 
 # ---------------------------------------------------------------- the parent
@@ -191,8 +200,14 @@ def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, 
     from zerolab.theory.memory import estimate
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the ranks
     _preload({s.kind for s in specs})
+    mem = {s.key: launch(_memory_main, world_size=world_size, threads=1, timeout=timeout,
+                         args=(s, preset, batch, warmup)) if memory else [dict(peak=None, held=None, pid=None)] * world_size
+           for s in specs}   # fresh processes per contender: nobody reuses another's freed heap
     per_rank = launch(_rank_main, world_size=world_size, threads=1, timeout=timeout,
-                      args=(specs, preset, batch, steps, repeats, warmup, memory))
+                      args=(specs, preset, batch, steps, repeats, warmup))
+    for rank, pr in enumerate(per_rank):
+        for s in specs:
+            pr[s.key].update(mem[s.key][rank])
     rows, floor = [], floor_ms([pr["_floor"] for pr in per_rank])
     for spec in specs:
         ranks = [pr[spec.key] for pr in per_rank]
@@ -206,6 +221,7 @@ def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, 
             times_ms=[1e3 * t for t in step_s],
             cpu_ms=1e3 * statistics.median(cpu_s),
             peak_bytes=[r["peak"] for r in ranks], held_bytes=[r["held"] for r in ranks],
+            memory_pids=[r["pid"] for r in ranks],
             bytes_per_step=ranks[0]["bytes_per_step"], bytes_source=ranks[0]["bytes_source"],
             max_abs_diff=max(r["max_abs_diff"] for r in ranks),
             build_s=max(r["build_s"] for r in ranks),
