@@ -9,6 +9,7 @@ import pytest
 
 from zerolab.bench import runner as bench
 from zerolab.bench import peers as bp
+from zerolab.bench import report
 from zerolab.cli import build_parser, main
 from zerolab.theory import comm_volume
 
@@ -46,6 +47,27 @@ def test_smoke_schema_and_files(smoke):
     with open(os.path.join(out, "bench.json")) as f:
         assert json.load(f)["runs"][0]["ratios"] == result["runs"][0]["ratios"]
     assert os.path.getsize(os.path.join(out, "bench.png")) > 1000
+    with open(os.path.join(out, "bench.md")) as f:
+        md = f.read()
+    assert md == report.markdown(result)
+
+
+@pytest.mark.slow
+def test_smoke_markdown_tables(smoke):
+    """The README's tables: a ratio row per peer (value = ours / peer from the run) and a
+    memory row per contender, each with the run's numbers."""
+    result, _ = smoke
+    world = result["runs"][0]
+    md = report.markdown(result).splitlines()
+    ratio_rows = [ln for ln in md if ln.startswith("| ") and "(" in ln and "ranks" not in ln]
+    assert len(ratio_rows) == len(world["ratios"]) > 0
+    for q, ln in zip(world["ratios"], ratio_rows):
+        assert ln == f"| {q['stage']} | {q['peer']} | {q['ratio']:.2f} ({q['cpu_ratio']:.2f}) |"
+    blank = md.index("")
+    mem_rows = md[blank + 3:]
+    assert len(mem_rows) == len(world["contenders"])
+    for r, ln in zip(world["contenders"], mem_rows):
+        assert ln.startswith(f"| {r['stage']} | {r['label']} | {r['efficiency']:.2f} |"), ln
 
 
 @pytest.mark.slow

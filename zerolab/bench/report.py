@@ -1,4 +1,5 @@
-"""Printing and saving ``zerolab bench`` results: the text table, bench.json, bench.png (chapter 10)."""
+"""Printing and saving ``zerolab bench`` results: the text table, bench.json, bench.png,
+bench.md (the README's tables, rendered from the run; chapter 10)."""
 from __future__ import annotations
 
 import json
@@ -89,6 +90,32 @@ def text(result: dict) -> str:
     return "\n".join(parts)
 
 
+def markdown(result: dict) -> str:
+    """The README's two tables from one compare run: ours ÷ peer median step time (CPU time in
+    brackets), then every contender's efficiency, resident peak and peak above 16Ψ/N, per world size."""
+    runs = [w for w in result["runs"] if w.get("ratios") is not None]
+    ns = [w["world_size"] for w in runs]
+    head = "| stage | peer | " + " | ".join(f"{n} ranks" for n in ns) + " |\n|---|---|" + "---|" * len(ns)
+    keys = list(dict.fromkeys((q["stage"], q["peer_key"], q["peer"]) for w in runs for q in w["ratios"]))
+    by = {(w["world_size"], q["peer_key"]): q for w in runs for q in w["ratios"]}
+    lines = [head]
+    for stage, key, label in keys:
+        cells = [f"{by[n, key]['ratio']:.2f} ({by[n, key]['cpu_ratio']:.2f})" if (n, key) in by else "-" for n in ns]
+        lines.append(f"| {stage} | {label} | " + " | ".join(cells) + " |")
+    mem = ["", "| stage | contender | " + " | ".join(f"eff {n}" for n in ns) + " | "
+           + " | ".join(f"peak MB {n}" for n in ns) + " | " + " | ".join(f"peak−16Ψ/N MB {n}" for n in ns)
+           + " |", "|---|---|" + "---|" * (3 * len(ns))]
+    rows = {(w["world_size"], r["key"]): r for w in runs for r in w["contenders"]}
+    for key, label, stage in dict.fromkeys((r["key"], r["label"], r["stage"]) for w in runs for r in w["contenders"]):
+        got = [rows.get((n, key)) for n in ns]
+        eff = [f"{r['efficiency']:.2f}" if r and r.get("efficiency") is not None else "-" for r in got]
+        peak = [_mb(r["peak_bytes"]) if r else "-" for r in got]
+        rest = [f"{r['peak_minus_states_bytes'] / MB:.1f}" if r and r.get("peak_minus_states_bytes") is not None
+                else "-" for r in got]
+        mem.append(f"| {stage} | {label} | " + " | ".join(eff + peak + rest) + " |")
+    return "\n".join(lines + mem) + "\n"
+
+
 SHORT = {"ddp": "DDP", "zero_redundancy": "ZeroRedundancy\nOptimizer", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed"}
 
 
@@ -173,6 +200,10 @@ def save(result: dict, out: str) -> dict:
             paths["memory_png"] = mem
     except ImportError:
         result["notes"].append("matplotlib is not installed: no plot")
+    if result["mode"] == "compare":
+        paths["md"] = os.path.join(out, f"{stem}.md")
+        with open(paths["md"], "w") as f:
+            f.write(markdown(result))
     result["files"] = paths
     with open(paths["json"], "w") as f:
         json.dump(result, f, indent=1)
