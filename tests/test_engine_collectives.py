@@ -108,16 +108,16 @@ def test_planted_stage2_unit_never_reduced_is_caught(monkeypatch):
     case = {"model": "gpt", "config": {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
                                        "zero_optimization": {"stage": 2}}}
     want = eq.reference(case, 2)
-    real = Stage2Engine.reduce_unit
+    real = Stage2Engine.reduce_units
 
-    def planted(self, j):
-        if j == 2:   # a block
-            del self._unit_staging[j]
+    def planted(self, g):
+        if g == 2:   # a block's collective
+            del self._unit_staging[g]
             return
-        real(self, j)
+        real(self, g)
     for plant in (False, True):
         if plant:
-            monkeypatch.setattr(Stage2Engine, "reduce_unit", planted)
+            monkeypatch.setattr(Stage2Engine, "reduce_units", planted)
         got = zl.launch(eq.run_cases, world_size=2, args=([case],), threads=1)[0][0]
         close = all(torch.allclose(got[k], want[k].float(), rtol=1e-4, atol=1e-5) for k in want)
         assert close != plant, plant
@@ -186,3 +186,75 @@ def test_overlap_keeps_within_the_bucket_and_a_planted_unbounded_overlap_is_caug
             monkeypatch.setattr(Stage2Engine, "bound_in_flight", lambda self: None)
         small, big = zl.launch(overlap_peak_worker, world_size=2, args=([1, 10**9],), threads=1)[0]
         assert (small < big) != plant, (plant, small, big)
+
+
+def groups_worker(cases):
+    """Stage 2, one backward per case: which units share a collective, and the ledger's calls."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = []
+    for collectives, bucket in cases:
+        model = TinyGPT.preset("small", seed=1)
+        zero = {"stage": 2} if bucket is None else {"stage": 2, "reduce_bucket_size": bucket}
+        engine = zl.initialize(model, {"optimizer": {"type": "SGD", "params": {"lr": 1e-2}},
+                                       "zero_optimization": zero, "zerolab": {"collectives": collectives}})
+        x, y = synthetic_batch(model, 2 * n, seed=3, rank=rank, world_size=n)
+        engine.comm.reset()
+        engine.backward(loss_fn(engine(x), y))
+        grads = [(r.op, r.bytes) for r in engine.comm.records]
+        out.append(([[engine.flat.units[j].padded for j in g] for g in engine._groups],
+                    [engine._bucket_of_unit[j] for j in engine._order], grads, engine.flat.padded))
+    return out
+
+
+def test_stage2_on_gloo_gives_small_units_no_collective_of_their_own():
+    """gloo's path (all-reduce): a unit under 1/8 of the largest (TinyGPT's final norm, its position
+    embedding) is all-reduced together with the next unit of its bucket: 5 calls instead of 7 for
+    TinyGPT small, the same bytes. The ring pair (reduce-scatter) keeps one collective per unit,
+    and so does a small unit that is the last of its bucket."""
+    cases = [("per_backend", None), ("reduce_scatter", None), ("per_backend", 200_000)]
+    n = 2
+    for (groups, buckets, grads, padded), (collectives, bucket) in zip(
+            zl.launch(groups_worker, world_size=n, args=(cases,), threads=1)[0], cases):
+        sizes = [u for g in groups for u in g]
+        largest = max(sizes)
+        if collectives == "reduce_scatter":
+            assert all(len(g) == 1 for g in groups) and len(groups) == 7
+            assert [op for op, _ in grads] == ["reduce_scatter"] * 7
+            continue
+        assert [op for op, _ in grads] == ["all_reduce"] * len(groups)
+        assert [b for _, b in grads] == [2 * 4 * sum(g) * (n - 1) // n for g in groups]   # same bytes in all
+        assert sum(b for _, b in grads) == 2 * 4 * padded * (n - 1) // n
+        for g in groups:            # only a small unit leads a group, and then with one more unit
+            assert len(g) == 1 or (len(g) == 2 and g[0] < largest / 8 <= g[1]), groups
+        if bucket is None:          # one bucket: final norm + last block, position + token embedding
+            assert [len(g) for g in groups] == [2, 1, 1, 1, 2], groups
+        else:                       # buckets of 200k elements: every unit in a bucket of its own
+            assert len(set(buckets)) == len(buckets) and all(len(g) == 1 for g in groups), (buckets, groups)
+
+
+def test_planted_group_that_keeps_only_its_first_unit_is_caught(monkeypatch):
+    """Plant the bug: after a group's all-reduce only the first unit's slice reaches the gradient shard
+    (the small unit's partner keeps zeros): the comparison with single-process training must fail."""
+    from zerolab.engine.stage2 import Stage2Engine
+    case = {"model": "gpt", "config": {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                       "zero_optimization": {"stage": 2}}}
+    want = eq.reference(case, 2)
+    real = Stage2Engine.reduce_units
+
+    def planted(self, g):
+        js = self._groups[g]
+        if len(js) > 1:
+            self._groups[g] = js[:1]
+            try:
+                real(self, g)
+            finally:
+                self._groups[g] = js
+            self._units_left[self._bucket_of_unit[js[0]]] -= len(js) - 1
+            return
+        real(self, g)
+    for plant in (False, True):
+        if plant:
+            monkeypatch.setattr(Stage2Engine, "reduce_units", planted)
+        got = zl.launch(eq.run_cases, world_size=2, args=([case],), threads=1)[0][0]
+        close = all(torch.allclose(got[k], want[k].float(), rtol=1e-4, atol=1e-5) for k in want)
+        assert close != plant, plant

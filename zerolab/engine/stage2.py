@@ -18,7 +18,9 @@ issued unit by unit, in backward order, and the bucket is done when its last
 unit is; with ``overlap_comm`` a bucket's size bounds the gradient elements
 staged or in flight at once (the oldest collective is waited for first). On
 gloo (``pick_collectives``) a unit's buffer is all-reduced in place and this
-rank's slice kept. A subclass whose collective needs a whole bucket at once
+rank's slice kept, and a unit smaller than an eighth of the largest does not get a call of its
+own: it goes in one all-reduce with the next unit of its bucket (``reduce_groups``; a synchronous
+gloo call costs about the same whatever its size, docs/MEASUREMENTS.md). A subclass whose collective needs a whole bucket at once
 (ZeRO++'s qgZ all-to-all, the offload engines) sets ``stages_buckets_whole``:
 its bucket is staged *rank-major* (row r = rank r's shard of every unit).
 
@@ -48,11 +50,12 @@ class Stage2Engine(Stage1Engine):
         # gradient shard, grad dtype: padded Ψ / N elements (contiguous_gradients)
         self.grad_shard = torch.zeros(self.flat.shard_numel, dtype=self.precision.grad_dtype, device=self.flat.device)
         units = self.flat.units
-        self._unit_staging = {}   # unit index -> its full gradient (padded_u,), alive until its collective is done
+        self._unit_staging = {}   # group -> its units' full gradients (Σ padded_u,), alive until its collective is done
         self._place = {id(p): (j, off) for j, u in enumerate(units) for (_, p), off in zip(u.params, u.offsets)}
         self._unit_index = index = {id(u): j for j, u in enumerate(units)}
         self._order = [index[id(u)] for b in self.buckets for u in reversed(b)]   # backward order
         self._bucket_of_unit = {index[id(u)]: i for i, b in enumerate(self.buckets) for u in b}
+        self._groups = None   # units reduced by one collective (reduce_groups), set at the first backward
         self._staging = [None] * len(self.buckets)   # stages_buckets_whole: per bucket, rank-major
         self._pieces = {}                            # id(p) -> (bucket, [(src start, src end, dst start)])
         for i, b in enumerate(self.buckets if self.stages_buckets_whole else []):
@@ -69,17 +72,40 @@ class Stage2Engine(Stage1Engine):
         self._unit_left = [len(u.params) for u in self.flat.units]   # gradients still to come, per unit
         self._unit_ready = [False] * len(self.flat.units)
         self._units_left = [len(b) for b in self.buckets]             # units not yet reduced, per bucket
-        self._next_unit = 0                                           # position in self._order
+        self._next_group = 0                                          # position in self._groups
+        if self._groups is None and not self.stages_buckets_whole:   # grad_collective is known by now
+            units, self._groups = self.flat.units, self.reduce_groups()
+            self._group_of = {j: g for g, js in enumerate(self._groups) for j in js}
+            self._group_off = {j: sum(units[k].padded for k in js[:js.index(j)]) for js in self._groups for j in js}
+
+    def reduce_groups(self) -> list[list[int]]:
+        """Which units share a collective, in backward order: each unit alone, except on the all-reduce
+        path (gloo), where a unit smaller than 1/8 of the largest joins the next unit of its bucket."""
+        units, small = self.flat.units, max(u.padded for u in self.flat.units) / 8
+        groups, cur = [], []
+        for k, j in enumerate(self._order):
+            cur.append(j)
+            nxt = self._order[k + 1] if k + 1 < len(self._order) else None
+            if self.grad_collective != "all_reduce" or units[j].padded >= small or nxt is None \
+                    or self._bucket_of_unit[nxt] != self._bucket_of_unit[j]:
+                groups.append(cur)
+                cur = []
+        return groups
 
     def _unit_buffer(self, j: int) -> torch.Tensor:
-        if j not in self._unit_staging:
-            u = self.flat.units[j]
-            # staging, grad dtype: the unit's padded elements; every gradient is copied in whole, so only
-            # the padding is zeroed here (and, in reduce_unit, the parameters that got no gradient)
-            buf = torch.empty(u.padded, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
-            buf[u.numel:].zero_()
-            self._unit_staging[j] = buf
-        return self._unit_staging[j]
+        """Unit ``j``'s slice of its group's staging buffer (created with the group's first gradient)."""
+        g = self._group_of[j]
+        if g not in self._unit_staging:
+            # staging, grad dtype: the group's padded elements; every gradient is copied in whole, so only
+            # the padding is zeroed here (and, in reduce_units, the parameters that got no gradient)
+            buf = torch.empty(sum(self.flat.units[k].padded for k in self._groups[g]),
+                              dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+            for k in self._groups[g]:
+                u = self.flat.units[k]
+                buf[self._group_off[k] + u.numel: self._group_off[k] + u.padded].zero_()
+            self._unit_staging[g] = buf
+        u, off = self.flat.units[j], self._group_off[j]
+        return self._unit_staging[g][off: off + u.padded]
 
     def _zero_missing(self, j: int, staging: torch.Tensor) -> None:
         """Unit ``j`` goes with parameters that got no gradient in this backward (unused): zeros for them."""
@@ -121,38 +147,45 @@ class Stage2Engine(Stage1Engine):
         self._reduce_ready_units()
 
     def _reduce_ready_units(self) -> None:
-        """Issue the ready units in backward order (every rank must call collectives in the same order)."""
-        while self._next_unit < len(self._order) and self._unit_ready[self._order[self._next_unit]]:
-            self.reduce_unit(self._order[self._next_unit])
-            self._next_unit += 1
+        """Issue the groups whose units are all ready, in backward order (every rank must call
+        collectives in the same order)."""
+        while self._next_group < len(self._groups) and \
+                all(self._unit_ready[j] for j in self._groups[self._next_group]):
+            self.reduce_units(self._next_group)
+            self._next_group += 1
 
-    def reduce_unit(self, j: int) -> None:
-        """Reduce unit ``j``'s staging buffer into this rank's gradient shard; free the buffer when done."""
-        u, i = self.flat.units[j], self._bucket_of_unit[j]
+    def reduce_units(self, g: int) -> None:
+        """Reduce group ``g``'s staging buffer (one unit, or a small one and the next) into this rank's
+        gradient shard; free the buffer when done."""
+        js, i = self._groups[g], self._bucket_of_unit[self._groups[g][0]]
         if self.overlap_comm:
             self.bound_in_flight()
-        staging = self._unit_buffer(j)
-        del self._unit_staging[j]        # from here on only the collective holds it
-        if self._unit_left[j]:
-            self._zero_missing(j, staging)
-        dest = self.flat.shard_view(self.grad_shard, u)
+        views = [self._unit_buffer(j) for j in js]   # (creates the buffer if no gradient came)
+        staging = self._unit_staging.pop(g)          # from here on only the collective holds it
+        for j, view in zip(js, views):
+            if self._unit_left[j]:
+                self._zero_missing(j, view)
+        dests = [self.flat.shard_view(self.grad_shard, self.flat.units[j]) for j in js]
         first = self.micro_steps % self.gas == 0   # first micro-batch of the step: the shard is zero
         self.announce(i)
-        if self.grad_collective == "reduce_scatter":
-            out = dest if first else torch.empty_like(dest)
-            h = self.communicator.reduce_scatter(out, staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
-            keep = (staging,) if first else (staging, out)
-        else:                   # gloo: all-reduce in place, keep this rank's slice
-            out = staging[self.rank * u.shard: (self.rank + 1) * u.shard]
+        if self.grad_collective == "reduce_scatter":   # one unit: its layout is its N shards
+            outs = [dests[0] if first else torch.empty_like(dests[0])]
+            h = self.communicator.reduce_scatter(outs[0], staging, async_op=self.overlap_comm,
+                                                 tag=f"grad-bucket-{i}")
+            keep = (staging,) if first else (staging, outs[0])
+        else:                   # gloo: all-reduce in place, keep this rank's slice of each unit
+            outs = [v[self.rank * u.shard: (self.rank + 1) * u.shard]
+                    for v, u in zip(views, (self.flat.units[j] for j in js))]
             h = self.communicator.all_reduce(staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
             keep = (staging,)
 
         def finish():
-            if out is not dest and first:
-                dest.copy_(out)
-            elif out is not dest:
-                dest.add_(out)
-            self._units_left[i] -= 1
+            for out, dest in zip(outs, dests):
+                if out is not dest and first:
+                    dest.copy_(out)
+                elif out is not dest:
+                    dest.add_(out)
+            self._units_left[i] -= len(js)
             if self._units_left[i] == 0:
                 self.event(ev.REDUCE_DONE, i)
         self.track(h, finish, keep, None)
