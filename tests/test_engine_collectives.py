@@ -72,13 +72,25 @@ def test_gloo_pair_ledger_books_all_reduce_and_broadcasts(n):
                 assert sum(by_op.values()) == zl.comm_volume(padded, n, stage, 4, gas)
 
 
+def sgd_case(stage: int) -> dict:
+    return {"model": "gpt", "config": {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                       "zero_optimization": {"stage": stage}}}
+
+
+def assert_plant_is_caught(monkeypatch, cls, name, planted, case, n=2):
+    """Against single-process training the engine passes as it is and fails with ``cls.name = planted``."""
+    want = eq.reference(case, n)
+    for plant in (False, True):
+        if plant:
+            monkeypatch.setattr(cls, name, planted)
+        got = zl.launch(eq.run_cases, world_size=n, args=([case],), threads=1)[0][0]
+        close = all(torch.allclose(got[k], want[k].float(), rtol=1e-4, atol=1e-5) for k in want)
+        assert close != plant, plant
+
+
 def test_planted_broadcast_that_skips_a_shard_is_caught(monkeypatch):
     """Plant the bug: the last rank never broadcasts its shard (the others keep stale values).
     The single-process comparison must fail with it and pass without."""
-    case = {"model": "gpt", "config": {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-                                       "zero_optimization": {"stage": 1}}}
-    n = 2
-    want = eq.reference(case, n)
     real = Stage1Engine._issue_gather
 
     def planted(self, i):
@@ -93,21 +105,13 @@ def test_planted_broadcast_that_skips_a_shard_is_caught(monkeypatch):
             real(self, i)
         finally:
             del comm.broadcast
-    for plant in (False, True):
-        if plant:
-            monkeypatch.setattr(Stage1Engine, "_issue_gather", planted)
-        got = zl.launch(eq.run_cases, world_size=n, args=([case],), threads=1)[0][0]
-        close = all(torch.allclose(got[k], want[k].float(), rtol=1e-4, atol=1e-5) for k in want)
-        assert close != plant, plant
+    assert_plant_is_caught(monkeypatch, Stage1Engine, "_issue_gather", planted, sgd_case(1))
 
 
 def test_planted_stage2_unit_never_reduced_is_caught(monkeypatch):
     """Plant the bug: stage 2 skips one unit's collective (every rank alike, so nothing hangs): that
     unit's gradient shard stays zero. The single-process comparison must fail with it."""
     from zerolab.engine.stage2 import Stage2Engine
-    case = {"model": "gpt", "config": {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-                                       "zero_optimization": {"stage": 2}}}
-    want = eq.reference(case, 2)
     real = Stage2Engine.reduce_units
 
     def planted(self, g):
@@ -115,12 +119,7 @@ def test_planted_stage2_unit_never_reduced_is_caught(monkeypatch):
             del self._unit_staging[g]
             return
         real(self, g)
-    for plant in (False, True):
-        if plant:
-            monkeypatch.setattr(Stage2Engine, "reduce_units", planted)
-        got = zl.launch(eq.run_cases, world_size=2, args=([case],), threads=1)[0][0]
-        close = all(torch.allclose(got[k], want[k].float(), rtol=1e-4, atol=1e-5) for k in want)
-        assert close != plant, plant
+    assert_plant_is_caught(monkeypatch, Stage2Engine, "reduce_units", planted, sgd_case(2))
 
 
 def peak_worker():
@@ -236,9 +235,6 @@ def test_planted_group_that_keeps_only_its_first_unit_is_caught(monkeypatch):
     """Plant the bug: after a group's all-reduce only the first unit's slice reaches the gradient shard
     (the small unit's partner keeps zeros): the comparison with single-process training must fail."""
     from zerolab.engine.stage2 import Stage2Engine
-    case = {"model": "gpt", "config": {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-                                       "zero_optimization": {"stage": 2}}}
-    want = eq.reference(case, 2)
     real = Stage2Engine.reduce_units
 
     def planted(self, g):
@@ -252,9 +248,4 @@ def test_planted_group_that_keeps_only_its_first_unit_is_caught(monkeypatch):
             self._units_left[self._bucket_of_unit[js[0]]] -= len(js) - 1
             return
         real(self, g)
-    for plant in (False, True):
-        if plant:
-            monkeypatch.setattr(Stage2Engine, "reduce_units", planted)
-        got = zl.launch(eq.run_cases, world_size=2, args=([case],), threads=1)[0][0]
-        close = all(torch.allclose(got[k], want[k].float(), rtol=1e-4, atol=1e-5) for k in want)
-        assert close != plant, plant
+    assert_plant_is_caught(monkeypatch, Stage2Engine, "reduce_units", planted, sgd_case(2))
