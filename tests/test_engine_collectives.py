@@ -122,6 +122,17 @@ def test_planted_stage2_unit_never_reduced_is_caught(monkeypatch):
     assert_plant_is_caught(monkeypatch, Stage2Engine, "reduce_units", planted, sgd_case(2))
 
 
+def backward_peak(engine, model, n, rank) -> int:
+    """One step; the largest grads + buffers the engine holds after any gradient hook of its backward."""
+    seen = []
+    for p in engine.flat.params():
+        p.register_post_accumulate_grad_hook(lambda _: seen.append(engine.memory().grads + engine.memory().buffers))
+    x, y = synthetic_batch(model, 2 * n, seed=3, rank=rank, world_size=n)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    return max(seen)
+
+
 def peak_worker():
     """Stage 2, DeepSpeed's default bucket (the whole model), no overlap: the largest grads + buffers
     seen after any gradient hook during backward, and the full fp32 gradient's bytes."""
@@ -130,13 +141,7 @@ def peak_worker():
     model = TinyGPT.preset("micro", seed=1)
     engine = zl.initialize(model, {"optimizer": {"type": "SGD", "params": {"lr": 1e-2}},
                                    "zero_optimization": {"stage": 2}})
-    seen = []
-    for p in engine.flat.params():
-        p.register_post_accumulate_grad_hook(lambda _: seen.append(engine.memory().grads + engine.memory().buffers))
-    x, y = synthetic_batch(model, 2 * n, seed=3, rank=rank, world_size=n)
-    engine.backward(loss_fn(engine(x), y))
-    engine.step()
-    return max(seen), 4 * engine.flat.padded, max(u.padded for u in engine.flat.units)
+    return backward_peak(engine, model, n, rank), 4 * engine.flat.padded, max(u.padded for u in engine.flat.units)
 
 
 def test_stage2_holds_units_not_the_bucket_during_backward(monkeypatch):
@@ -165,13 +170,7 @@ def overlap_peak_worker(buckets):
                                                              "reduce_bucket_size": bucket},
                                        # gloo's reduce-scatter reports completion only when waited for
                                        "zerolab": {"collectives": "reduce_scatter"}})
-        seen = []
-        for p in engine.flat.params():
-            p.register_post_accumulate_grad_hook(lambda _: seen.append(engine.memory().grads + engine.memory().buffers))
-        x, y = synthetic_batch(model, 2 * n, seed=3, rank=rank, world_size=n)
-        engine.backward(loss_fn(engine(x), y))
-        engine.step()
-        out.append(max(seen))
+        out.append(backward_peak(engine, model, n, rank))
     return out
 
 
