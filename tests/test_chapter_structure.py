@@ -2,7 +2,9 @@
 
 Checked statically on the committed .ipynb files, without running them:
 
-* nbformat 4, a kernelspec (name, display_name, language "python"), no stored
+* nbformat 4.5 or later, a kernelspec (name, display_name, language "python"),
+  a unique ``id`` on every cell (nbformat 4.5 requires them; a cell pasted in
+  without one makes nbformat warn and will become an error), no stored
   outputs, execution counts or widget state;
 * the first cell is the title ``# Chapter N — ...`` with N the file's number,
   and there are ``##`` section headings;
@@ -128,6 +130,14 @@ def structure_problems(path: Path) -> list[str]:
     cells = nb.get("cells", [])
     if not cells:
         return problems + ["no cells"]
+    if nb.get("nbformat") == 4 and nb.get("nbformat_minor", 0) < 5:
+        problems.append(f"nbformat 4.{nb.get('nbformat_minor')}: 4.5 or later (cell ids) expected")
+    ids = [c.get("id") for c in cells]
+    for i, cell_id in enumerate(ids):
+        if not isinstance(cell_id, str) or not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", cell_id):
+            problems.append(f"cell {i}: missing or malformed cell id {cell_id!r}")
+        elif ids.index(cell_id) != i:
+            problems.append(f"cell {i}: id {cell_id!r} repeats cell {ids.index(cell_id)}'s")
     for i, c in enumerate(cells):
         if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count") is not None):
             problems.append(f"cell {i}: stored outputs or execution count (commit notebooks without outputs)")
@@ -182,8 +192,11 @@ def test_chapter_structure(path):
 
 # ---- the checker itself must catch what it claims to (a broken chapter fails) ----
 
+_ids = iter(range(10**6))
+
+
 def _cell(kind, text, **meta):
-    c = {"cell_type": kind, "metadata": meta, "source": text}
+    c = {"cell_type": kind, "id": f"c{next(_ids)}", "metadata": meta, "source": text}
     if kind == "code":
         c.update(outputs=[], execution_count=None)
     return c
@@ -221,6 +234,8 @@ def test_checker_accepts_a_good_chapter(tmp_path):
 @pytest.mark.parametrize("breakage, expected", [
     ("no_kernelspec", "kernelspec"),
     ("outputs", "stored outputs"),
+    ("no_id", "missing or malformed cell id"),
+    ("same_id", "repeats cell"),
     ("title_number", "title"),
     ("section_after", "last '## ' section"),
     ("answer_outside", "exactly one <details>"),
@@ -240,6 +255,10 @@ def test_checker_catches(tmp_path, breakage, expected):
         ks = False
     elif breakage == "outputs":
         cells[2].update(outputs=[{"output_type": "stream", "name": "stdout", "text": "1\n"}], execution_count=1)
+    elif breakage == "no_id":
+        del cells[3]["id"]
+    elif breakage == "same_id":
+        cells[4]["id"] = cells[1]["id"]
     elif breakage == "title_number":
         cells[0]["source"] = "# Chapter 9 — A title"
     elif breakage == "section_after":
