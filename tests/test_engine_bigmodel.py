@@ -339,3 +339,51 @@ def test_planted_groups_ignored_is_caught(monkeypatch):
         got = engine.full_state_dict()
         close = all(torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-5) for k in want)
         assert close != plant
+
+
+# ---------------------------------------------------------------- the peak of initialize + load
+def init_load_peak_worker(path, method, plant):
+    """A meta TinyGPT "small" through initialize + load_state_dict at stage 3, in a fresh process: the
+    peak of tensor bytes (``method`` "profiler": exact) or the growth of anonymous resident memory
+    ("anon": RssAnon, where the file's mapped pages are not; the profiler's own ~65 MB would be), the
+    steady state after, the largest unit and the model's size. ``plant``: initialize holds a full copy
+    of the model meanwhile (the engine before issue 12 held three)."""
+    import zerolab.engine.base as base
+    from zerolab.bench.checkpoint import AnonPeak
+    from zerolab.runtime.measure import peak_memory
+    if plant:
+        real = base.materialize
+
+        def whole_copy(flat, model, *a, **k):
+            held = torch.ones(sum(p.numel() for p in model.parameters()))   # the full model, fp32
+            out = real(flat, model, *a, **k)
+            del held
+            return out
+        base.materialize = whole_copy
+    with torch.device("meta"):
+        model = TinyGPT.preset("small", seed=0)
+    cfg = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    with (AnonPeak() if method == "anon" else peak_memory("profiler")) as meter:
+        engine = zl.initialize(model, cfg)
+        engine.load_state_dict(path)
+    unit = 4 * max(u.padded for u in engine.flat.units)
+    psi = sum(p.numel() for p in TinyGPT.preset("small", seed=0).parameters())
+    return meter.peak, engine.memory().total, unit, 4 * psi
+
+
+@pytest.mark.parametrize("plant", [False, True], ids=["engine", "planted whole copy"])
+@pytest.mark.parametrize("method", ["profiler", "anon"])
+def test_meta_initialize_and_load_peak_is_the_shard_plus_a_unit_or_two(tmp_path, method, plant):
+    """Issue 12's measure: no rank holds the model while building and loading it — the peak stays
+    within the steady state plus two units, in tensor bytes and in anonymous RSS; a planted whole
+    copy of the model breaks the bound. (FlatParams once made every unit's full buffer before
+    releasing any: the whole model, for an instant — this test found it.)"""
+    path = tmp_path / "small.safetensors"
+    save_safetensors(TinyGPT.preset("small", seed=0).state_dict(), path)
+    for peak, steady, unit, model_bytes in zl.launch(init_load_peak_worker, world_size=2,
+                                                     args=(str(path), method, plant), threads=1):
+        bound = steady + 2 * unit
+        assert bound + unit < steady + model_bytes       # the bound tells a whole copy apart (2 ranks, SGD)
+        slack = 2**20 if method == "anon" else 0         # RSS: allocator and page rounding, 1 MiB
+        assert (peak > bound + slack) if plant else (peak <= bound + slack), (method, peak, bound)

@@ -106,6 +106,12 @@ def pad_to(n: int, world_size: int) -> int:
     return -(-n // world_size) * world_size
 
 
+def released(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its storage freed (0 bytes), shape kept: a unit's full buffer between gathers."""
+    t.untyped_storage().resize_(0)
+    return t
+
+
 class FlatParams:
     """The model's trainable parameters as views into one flat padded buffer.
 
@@ -161,9 +167,8 @@ class FlatParams:
             # the rank's shard of every unit, compute dtype: padded Ψ / N elements (padding stays zero)
             self.flat = torch.zeros(self.shard_numel, dtype=dtype, device=device)
             # per unit, compute dtype: (padded_u,) full buffer; 0 bytes of storage until gathered
-            self.full = [torch.empty(u.padded, dtype=dtype, device=device) for u in self.units]
-            for b in self.full:
-                b.untyped_storage().resize_(0)
+            # (each is released before the next is made: all of them at once would be the whole model)
+            self.full = [released(torch.empty(u.padded, dtype=dtype, device=device)) for u in self.units]
         else:
             # flat params, compute dtype: padded elements (padding stays zero)
             self.flat = torch.zeros(self.padded, dtype=dtype, device=device)

@@ -13,7 +13,10 @@ the units in order and, for each one:
        buffer once, at the end), keeps this rank's shard, frees the buffer (stage 3)
 
 so a rank never holds more than its shard plus one unit, whatever the model's
-size. Stage 3's partitioned frozen parameters (``frozen_flat``, a unit's frozen
+size. On the CPU a freed unit buffer is handed back to the OS at once
+(``malloc_trim``): glibc otherwise keeps such multi-MB blocks resident in its heap
+(it raises its mmap threshold after the first one is freed), and the resident
+memory of ``initialize`` grew by the whole model although every buffer was freed. Stage 3's partitioned frozen parameters (``frozen_flat``, a unit's frozen
 twin) are placed and shared together with their unit, or after the trainable
 units when their unit has no trainable parameters (a frozen embedding); the
 frozen parameters kept whole and buffers on the meta device are materialised
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ..runtime.measure import trim_heap
 
 
 def direct_owners(model: nn.Module) -> dict:
@@ -97,6 +102,8 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
             flat.shard_view(flat.flat, u).copy_(buf[rank * u.shard: (rank + 1) * u.shard])
             if i not in keep:
                 buf.untyped_storage().resize_(0)
+                if buf.device.type == "cpu":
+                    trim_heap()
 
     # kept units (stage 3's persistent small params: a Linear's bias, its weight elsewhere) are
     # placed first and shared last, so a module's reset_parameters can write into both
