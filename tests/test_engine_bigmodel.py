@@ -349,7 +349,6 @@ def init_load_peak_worker(path, method, plant):
     steady state after, the largest unit and the model's size. ``plant``: initialize holds a full copy
     of the model meanwhile (the engine before issue 12 held three)."""
     import zerolab.engine.base as base
-    from zerolab.bench.checkpoint import AnonPeak
     from zerolab.runtime.measure import peak_memory
     if plant:
         real = base.materialize
@@ -364,7 +363,7 @@ def init_load_peak_worker(path, method, plant):
         model = TinyGPT.preset("small", seed=0)
     cfg = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    with (AnonPeak() if method == "anon" else peak_memory("profiler")) as meter:
+    with peak_memory(method) as meter:
         engine = zl.initialize(model, cfg)
         engine.load_state_dict(path)
     unit = 4 * max(u.padded for u in engine.flat.units)

@@ -1,5 +1,6 @@
 """zerolab.runtime.measure: census exact to the byte, peak meter within max(3%, 2 MB), timers."""
 import sys
+import os
 import time
 
 import pytest
@@ -143,6 +144,25 @@ def test_untouched_empty_pages_are_not_resident():
         x.fill_(1.0)                             # now the pages exist
     assert abs(m.peak - 256 * MiB) <= 0.03 * 256 * MiB
     del x
+
+
+@linux
+def test_anon_peak_counts_written_memory_and_leaves_out_a_mapped_file(tmp_path):
+    """"anon": a freed 64 MiB tensor is seen at its peak; reading a memory-mapped 64 MiB file
+    (a safetensors checkpoint) is page cache, not the process's own memory; "hwm" counts it."""
+    with peak_memory("anon") as m:
+        x = torch.ones(64 * MiB // 4)
+        time.sleep(0.01)                         # a few samples while it is held
+        del x
+    assert abs(m.peak - 64 * MiB) <= 2 * MiB and abs(m.delta) < 2 * MiB, (m.peak, m.delta)
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(64 * MiB))
+    for method, counts in (("anon", False), ("hwm", True)):
+        with peak_memory(method) as m:
+            mapped = torch.from_file(str(path), shared=True, size=64 * MiB, dtype=torch.uint8)
+            total = int(mapped.max())            # every page read
+            del mapped
+        assert (m.peak > 32 * MiB) == counts, (method, m.peak, total)
 
 
 def test_profiler_peak_is_exact_for_tensors():

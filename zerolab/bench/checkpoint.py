@@ -7,7 +7,7 @@ step first) every rank saves, then a fresh engine loads: seconds and bytes
 written per rank, set against the rank's model states (``engine.memory()``:
 params + grads + optimizer). Then a checkpoint saved at the largest world size
 is loaded at stage 3 on half as many ranks, measuring the anonymous memory
-loading adds (``AnonPeak``: sampled RssAnon; mapped file pages are page cache)
+loading adds (``peak_memory("anon")``: sampled RssAnon; mapped file pages are page cache)
 and the bytes it copies, against the full optimizer state (12Ψ bytes). Last, ``consolidate_fp32`` runs in a fresh
 process: its peak RSS (VmHWM; file pages it maps count) against the output (4Ψ)
 and one rank's shard file. Seconds are wall-clock on whatever disk ``--dir``
@@ -22,42 +22,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 
 import torch.distributed as dist
 
 from zerolab.engine import initialize
 from zerolab.runtime.launch import launch
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
-from zerolab.runtime.measure import status_kb, trim_heap
+from zerolab.runtime.measure import PeakMeter
 
 ROWS = 4
 
 
-class AnonPeak:
-    """Peak growth of this process's *anonymous* resident memory (``RssAnon``, sampled every 0.5 ms
-    by a thread): what the process itself holds, leaving out pages of memory-mapped files (page
-    cache, dropped under pressure). A spike shorter than a sample can be missed."""
-
-    def __enter__(self):
-        trim_heap()
-        self.base = self.top = status_kb("RssAnon") or 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.top = max(self.top, status_kb("RssAnon") or 0)
-            time.sleep(0.0005)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.top = max(self.top, status_kb("RssAnon") or 0)
-        self.peak = (self.top - self.base) * 1024
+def AnonPeak() -> PeakMeter:
+    """Peak growth of anonymous resident memory (``peak_memory("anon")``): mapped file pages left out."""
+    return PeakMeter("anon")
 
 
 def config(stage):
