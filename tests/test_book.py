@@ -23,7 +23,7 @@ def test_methods_are_dedented_and_located():
     text = source(measure.PeakMeter.__exit__)
     assert text.split("\n")[1].startswith("def __exit__(self")
     _, start = inspect.getsourcelines(measure.PeakMeter.__exit__)
-    assert f"lines {start}-" in text
+    assert f"lines {start}-" in text and "zerolab/runtime/peak.py" in text
     bound = source(measure.Timer().__enter__)           # bound methods work too
     assert "def __enter__" in bound
 
@@ -32,7 +32,7 @@ def test_lines_by_range_and_by_block():
     lines, start = inspect.getsourcelines(measure.PeakMeter)
     part = source(measure.PeakMeter, lines=(2, 4))
     assert part.split("\n", 1)[1] == textwrap.dedent("".join(lines[1:4]))
-    assert part.startswith(f"# zerolab/runtime/measure.py, lines {start + 1}-{start + 3}")
+    assert part.startswith(f"# zerolab/runtime/peak.py, lines {start + 1}-{start + 3}")
     block = source(measure.PeakMeter, lines="def __exit__")
     assert block.split("\n")[1] == "def __exit__(self, *exc) -> None:"
     assert "del self._prof" in block and "def __enter__" not in block and "def peak_memory" not in block
