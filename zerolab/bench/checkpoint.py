@@ -33,11 +33,6 @@ from zerolab.runtime.measure import PeakMeter
 ROWS = 4
 
 
-def AnonPeak() -> PeakMeter:
-    """Peak growth of anonymous resident memory (``peak_memory("anon")``): mapped file pages left out."""
-    return PeakMeter("anon")
-
-
 def config(stage):
     return {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "bf16": {"enabled": True},
             # small parameters stay whole only below 1,000 elements, so stage 3's units are the blocks
@@ -58,7 +53,7 @@ def save_load_worker(model_name, root):
                                world_size=engine.world_size)
         engine.backward(loss_fn(engine(x), y))
         engine.step()
-        with AnonPeak() as meter:
+        with PeakMeter("anon") as meter:
             engine.save_checkpoint(f"{root}/stage{stage}")
         save = {**engine.checkpoint_stats, "save_anon_peak": meter.peak}
         states = engine.memory()
@@ -77,7 +72,7 @@ def reshard_worker(model_name, root, stage_saved):
     x, y = synthetic_batch(model, ROWS * engine.world_size, step=0, rank=engine.rank, world_size=engine.world_size)
     engine.backward(loss_fn(engine(x), y))   # one step first: the engine's own buffers are resident (torch.zeros
     engine.step()                            # maps untouched pages lazily), so the meter sees what loading adds
-    with AnonPeak() as meter:
+    with PeakMeter("anon") as meter:
         engine.load_checkpoint(f"{root}/stage{stage_saved}")
     s = engine.checkpoint_stats
     own = sum(t.numel() for t in engine.targets) * 12
@@ -90,8 +85,7 @@ CONSOLIDATE = """
 import json, sys
 from zerolab.runtime.measure import PeakMeter
 from zerolab.engine.consolidate import consolidate_fp32
-from zerolab.bench.checkpoint import AnonPeak
-with PeakMeter("hwm") as m, AnonPeak() as a:
+with PeakMeter("hwm") as m, PeakMeter("anon") as a:
     sd = consolidate_fp32(sys.argv[1])
 out = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in sd.values()}.values())
 print(json.dumps({"peak": m.peak, "anon_peak": a.peak, "output": out}))

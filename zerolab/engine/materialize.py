@@ -14,9 +14,10 @@ the units in order and, for each one:
 
 so a rank never holds more than its shard plus one unit, whatever the model's
 size. On the CPU a freed unit buffer is handed back to the OS at once
-(``malloc_trim``): glibc otherwise keeps such multi-MB blocks resident in its heap
-(it raises its mmap threshold after the first one is freed), and the resident
-memory of ``initialize`` grew by the whole model although every buffer was freed. Stage 3's partitioned frozen parameters (``frozen_flat``, a unit's frozen
+(``malloc_trim``): glibc otherwise keeps such multi-MB blocks resident in its
+heap (it raises its mmap threshold after the first one is freed), and the
+resident memory of ``initialize`` grew by the whole model although every buffer
+was freed. Stage 3's partitioned frozen parameters (``frozen_flat``, a unit's frozen
 twin) are placed and shared together with their unit, or after the trainable
 units when their unit has no trainable parameters (a frozen embedding); the
 frozen parameters kept whole and buffers on the meta device are materialised
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from ..runtime.measure import trim_heap
+from .flat import released
 
 
 def direct_owners(model: nn.Module) -> dict:
@@ -101,7 +103,7 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
                 communicator.broadcast(buf, src=0, tag="init-params")
             flat.shard_view(flat.flat, u).copy_(buf[rank * u.shard: (rank + 1) * u.shard])
             if i not in keep:
-                buf.untyped_storage().resize_(0)
+                released(buf)
                 if buf.device.type == "cpu":
                     trim_heap()
 

@@ -47,6 +47,7 @@ from zerolab.engine.prefetch import UnitTrace
 from zerolab.engine.gathered import GatheredMixin, ReleasedParameter
 from zerolab.engine.unit_hooks import release_waits, tensors_of, unit_hooks
 from zerolab.engine.stage2 import Stage2Engine
+from zerolab.engine.flat import released
 
 
 class Stage3Engine(GatheredMixin, Stage2Engine):
@@ -158,7 +159,7 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
             p.data = self._empty
             if self.debug:
                 p.__class__ = ReleasedParameter
-        self._full[i].untyped_storage().resize_(0)
+        released(self._full[i])
         self._gathered.discard(i)
         self._ahead.discard(i)
         self._keep.discard(i)

@@ -155,7 +155,6 @@ class PeakMeter:
             self.peak = _profiler_peak(self._prof)
             del self._prof
 
-
     def _sample_anon(self) -> None:
         while not self._stop.is_set():
             self._top = max(self._top, (status_kb("RssAnon") or 0) * 1024)
