@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
-import zerolab.engine.reshard as reshard
+import zerolab.engine.checkpoint.reshard as reshard
 from zerolab.book.models import MLP, TinyGPT, loss_fn, synthetic_batch
-from zerolab.engine.checkpoint_io import CheckpointError
-from zerolab.engine.consolidate import consolidate_fp32
+from zerolab.engine.checkpoint.files import CheckpointError
+from zerolab.engine.checkpoint.consolidate import consolidate_fp32
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {"gpt-stage3-bf16": (lambda: TinyGPT.preset("micro", seed=1), 3, True),
@@ -94,7 +94,7 @@ def test_cli_writes_the_same_tensors(saved, tmp_path):
 
 def test_safetensors_output_needs_the_package(saved, tmp_path):
     root, _ = saved
-    from zerolab.engine.consolidate import write_state_dict
+    from zerolab.engine.checkpoint.consolidate import write_state_dict
     sd = consolidate_fp32(f"{root}/gpt-stage3-bf16")
     try:
         import safetensors.torch as st

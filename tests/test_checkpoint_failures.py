@@ -23,7 +23,7 @@ import torch
 
 import zerolab as zl
 from zerolab.book.models import MLP, TinyGPT, loss_fn, synthetic_batch
-from zerolab.engine.checkpoint_io import CheckpointError, optim_file
+from zerolab.engine.checkpoint.files import CheckpointError, optim_file
 from zerolab.runtime.launch import LaunchError
 
 CFG = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "bf16": {"enabled": True},
@@ -43,8 +43,8 @@ def step(engine, model, i):
 
 def save_then_die(root, when):
     """Save tag a, then die on rank 1 while saving tag b (at the start, or mid-write)."""
-    import zerolab.engine.checkpoint as ck
-    import zerolab.engine.checkpoint_io as io
+    import zerolab.engine.checkpoint.save as ck
+    import zerolab.engine.checkpoint.files as io
     model, engine = build()
     step(engine, model, 0)
     engine.save_checkpoint(root, tag="a")
@@ -103,7 +103,7 @@ def test_rank_killed_during_save_leaves_previous_checkpoint(tmp_path, when):
 
 
 def disk_full(root):
-    import zerolab.engine.checkpoint_io as io
+    import zerolab.engine.checkpoint.files as io
     model, engine = build()
     step(engine, model, 0)
     engine.save_checkpoint(root, tag="a")
@@ -152,7 +152,7 @@ def spoil(root, how):
         else:               # ... whose shard has the wrong number of elements
             torch.save({"state": {k: torch.zeros(3) for k in ("fp32", "exp_avg", "exp_avg_sq")}}, f)
         m = json.load(open(os.path.join(tag, "manifest.json")))
-        from zerolab.engine.checkpoint_io import sha256_of
+        from zerolab.engine.checkpoint.files import sha256_of
         m["files"][optim_file(1)].update(bytes=os.path.getsize(f), sha256=sha256_of(f))
         json.dump(m, open(os.path.join(tag, "manifest.json"), "w"))
     return f
@@ -230,7 +230,7 @@ def test_client_state_round_trip_and_refusal(tmp_path):
 
 def test_checksum_is_what_catches_a_flipped_byte(tmp_path):
     """Planted: without the sha256 check, a flipped byte in tensor data loads silently."""
-    from zerolab.engine.checkpoint_io import read_checked, read_manifest
+    from zerolab.engine.checkpoint.files import read_checked, read_manifest
     model, engine = build()
     step(engine, model, 0)
     engine.save_checkpoint(tmp_path, tag="a")
@@ -284,7 +284,7 @@ def test_load_flags_optimizer_and_schedule(tmp_path):
 def test_manifest_write_failing_keeps_previous(tmp_path, monkeypatch):
     """Rank 0's last steps (manifest, rename, latest) failing: a clear error, 'latest' untouched."""
     import errno as errno_
-    import zerolab.engine.checkpoint as ck
+    import zerolab.engine.checkpoint.save as ck
     model, engine = build()
     engine.save_checkpoint(tmp_path, tag="a")
 

@@ -65,7 +65,7 @@ def save_side(cases, root):
 
 def load_side(cases, root, plant=False):
     """At M ranks (another stage): load, measure what loading allocates, M more steps."""
-    import zerolab.engine.checkpoint_load as cl
+    import zerolab.engine.checkpoint.load as cl
     if plant:   # the bug: every rank fills its units from element 0 (the rank's offset forgotten)
         cl.owned_start = lambda engine, u: 0
     biggest = [0]   # the loader's only temporaries: one unit's state at a time (exact, from the tensors)

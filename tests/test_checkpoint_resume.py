@@ -19,7 +19,7 @@ import torch
 
 import zerolab as zl
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
-from zerolab.engine.state import ShiftedSchedule
+from zerolab.engine.checkpoint.state import ShiftedSchedule
 
 K, M = 3, 3       # steps before the save, steps after the resume
 ROWS = 2          # rows per rank per micro-batch

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerolab.engine import ds_checkpoint as dsc
+from zerolab.engine.checkpoint import ds_files as dsc, ds_merge
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 STAGES = (1, 2, 3)
@@ -70,7 +70,7 @@ def test_fixtures_are_tiny_and_from_deepspeed_019():
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_reader_equals_deepspeeds_zero_to_fp32(name):
     stage = int(name[5])
-    got = dsc.deepspeed_fp32_state_dict(FIXTURES / name)
+    got = ds_merge.deepspeed_fp32_state_dict(FIXTURES / name)
     assert not mismatches(got, expected(name))
     assert got["head.weight"] is got["emb.weight"], "a tied weight must stay one tensor, as DeepSpeed returns it"
     assert got["emb.weight"].dtype == torch.float32
@@ -78,13 +78,13 @@ def test_reader_equals_deepspeeds_zero_to_fp32(name):
 
 
 def test_the_tag_folder_itself():
-    got = dsc.deepspeed_fp32_state_dict(FIXTURES / "stage3" / "global_step2")
+    got = ds_merge.deepspeed_fp32_state_dict(FIXTURES / "stage3" / "global_step2")
     assert not mismatches(got, expected(3))
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_explicit_tag_and_excluding_frozen(stage):
-    got = dsc.deepspeed_fp32_state_dict(FIXTURES / f"stage{stage}", tag="global_step2",
+    got = ds_merge.deepspeed_fp32_state_dict(FIXTURES / f"stage{stage}", tag="global_step2",
                                         exclude_frozen_parameters=True)
     want = {k: v for k, v in expected(stage).items() if k != "frozen.weight"}
     assert not mismatches(got, want)
@@ -136,7 +136,7 @@ def test_malicious_pickle_is_refused_naming_the_class(ckpt, tmp_path, protocol):
     victim = d / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     rewrite_pickle(victim, pickle.dumps({"optimizer_state_dict": Evil(marker)}, protocol=protocol))
     with pytest.raises(dsc.UnsafeCheckpointError) as e:
-        dsc.deepspeed_fp32_state_dict(d)
+        ds_merge.deepspeed_fp32_state_dict(d)
     msg = str(e.value)
     assert "posix.system" in msg or "nt.system" in msg, msg
     assert victim.name in msg and "refusing" in msg
@@ -150,7 +150,7 @@ def test_torchs_restricted_unpickler_still_refuses_when_the_scan_is_bypassed(ckp
     rewrite_pickle(d / "global_step2" / "mp_rank_00_model_states.pt", pickle.dumps(Evil(marker), protocol=2))
     monkeypatch.setattr(dsc, "pickle_globals", lambda path: [])
     with pytest.raises(dsc.UnsafeCheckpointError, match="mp_rank_00_model_states.pt"):
-        dsc.deepspeed_fp32_state_dict(d)
+        ds_merge.deepspeed_fp32_state_dict(d)
     assert not marker.exists()
 
 
@@ -159,7 +159,7 @@ def test_missing_rank_file(ckpt):
     d = ckpt(2)
     (d / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     with pytest.raises(ValueError, match="saved by 2 ranks but 1 '\\*_optim_states.pt' files"):
-        dsc.deepspeed_fp32_state_dict(d)
+        ds_merge.deepspeed_fp32_state_dict(d)
 
 
 def test_truncated_file(ckpt):
@@ -167,7 +167,7 @@ def test_truncated_file(ckpt):
     f = d / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
     f.write_bytes(f.read_bytes()[:1000])
     with pytest.raises(ValueError, match=f"{f.name}.*(corrupt|cannot read)"):
-        dsc.deepspeed_fp32_state_dict(d)
+        ds_merge.deepspeed_fp32_state_dict(d)
 
 
 def test_files_from_two_checkpoints(ckpt):
@@ -177,7 +177,7 @@ def test_files_from_two_checkpoints(ckpt):
     for f in (d3 / "global_step2").glob("*_optim_states.pt"):
         shutil.copy(f, d1 / "global_step2")
     with pytest.raises(ValueError, match="stage 3 keeps one model-state file per rank: 2 expected, 1 found"):
-        dsc.deepspeed_fp32_state_dict(d1)
+        ds_merge.deepspeed_fp32_state_dict(d1)
 
 
 def test_shapes_that_do_not_fit_the_partitions(ckpt):
@@ -188,23 +188,23 @@ def test_shapes_that_do_not_fit_the_partitions(ckpt):
     sd["param_shapes"][0]["extra.weight"] = torch.Size([5, 5])
     torch.save(sd, f)
     with pytest.raises(ValueError, match="group 0: the model-state file lists 7 parameters.*do not match"):
-        dsc.deepspeed_fp32_state_dict(d)
+        ds_merge.deepspeed_fp32_state_dict(d)
 
 
 def test_no_latest_and_unknown_tag(tmp_path, ckpt):
     with pytest.raises(FileNotFoundError, match="no 'latest' file"):
-        dsc.deepspeed_fp32_state_dict(tmp_path)
+        ds_merge.deepspeed_fp32_state_dict(tmp_path)
     with pytest.raises(FileNotFoundError, match="no directory for tag 'global_step9'"):
-        dsc.deepspeed_fp32_state_dict(ckpt(1), tag="global_step9")
+        ds_merge.deepspeed_fp32_state_dict(ckpt(1), tag="global_step9")
 
 
 # ---------------------------------------------------------------- the comparison can fail
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_planted_rank_order_swap_is_caught(name, monkeypatch):
     real = dsc.checkpoint_files
-    monkeypatch.setattr(dsc, "checkpoint_files", lambda d: (real(d)[0], real(d)[1][::-1]))
+    monkeypatch.setattr(ds_merge, "checkpoint_files", lambda d: (real(d)[0], real(d)[1][::-1]))
     try:
-        got = dsc.deepspeed_fp32_state_dict(FIXTURES / name)
+        got = ds_merge.deepspeed_fp32_state_dict(FIXTURES / name)
     except ValueError:
         return
     assert mismatches(got, expected(name))
@@ -217,18 +217,18 @@ def test_alignment_paddings_and_uneven_partitions():
     parts = [[flat[:4]], [flat[4:]]]
     shapes = [{"a": torch.Size([3]), "b": torch.Size([2])}]
     out = {}
-    dsc.merge_stage12(out, parts, shapes, [[1, 0]], world=2)
+    ds_merge.merge_stage12(out, parts, shapes, [[1, 0]], world=2)
     assert out["a"].tolist() == [1., 2., 3.] and out["b"].tolist() == [4., 5.]
     out = {}
-    dsc.merge_stage12(out, parts, shapes, None, world=2)        # planted: the padding ignored
+    ds_merge.merge_stage12(out, parts, shapes, None, world=2)        # planted: the padding ignored
     assert out["b"].tolist() != [4., 5.]
 
 
 @pytest.mark.parametrize("name", ["stage3", "stage3_world3"])
 def test_planted_stage3_floor_pieces_are_caught(name, monkeypatch):
-    monkeypatch.setattr(dsc, "stage3_piece", lambda numel, world: numel // world)
+    monkeypatch.setattr(ds_merge, "stage3_piece", lambda numel, world: numel // world)
     with pytest.raises(ValueError, match="do not match"):
-        dsc.deepspeed_fp32_state_dict(FIXTURES / name)
+        ds_merge.deepspeed_fp32_state_dict(FIXTURES / name)
 
 
 # ---------------------------------------------------------------- live, where DeepSpeed is installed
@@ -239,7 +239,7 @@ def test_live_against_deepspeed(name, tmp_path, capsys):
     d = tmp_path / name
     shutil.copytree(FIXTURES / name, d)
     theirs = z2f.get_fp32_state_dict_from_zero_checkpoint(str(d))
-    ours = dsc.deepspeed_fp32_state_dict(d)
+    ours = ds_merge.deepspeed_fp32_state_dict(d)
     assert not mismatches(ours, theirs)
     assert not mismatches(ours, expected(name))
 
@@ -259,12 +259,12 @@ def test_a_zerolab_checkpoint_is_not_deepspeeds(tmp_path):
     assert list(tmp_path.glob("*/zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     assert not dsc.is_deepspeed_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="not a DeepSpeed model-state file"):
-        dsc.deepspeed_fp32_state_dict(tmp_path)
+        ds_merge.deepspeed_fp32_state_dict(tmp_path)
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_consolidate_dispatches_to_the_reader(name):
-    from zerolab.engine.consolidate import consolidate_fp32
+    from zerolab.engine.checkpoint.consolidate import consolidate_fp32
     assert not mismatches(consolidate_fp32(FIXTURES / name), expected(name))
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import zerolab as zl
 from zerolab.book.models import MLP, TinyGPT, loss_fn, synthetic_batch
-from zerolab.engine.load import read_safetensors, save_safetensors
+from zerolab.engine.bigmodel.load import read_safetensors, save_safetensors
 
 STEPS, MBS = 3, 2
 

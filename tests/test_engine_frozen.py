@@ -266,7 +266,7 @@ def test_checkpoint_keeps_partitioned_frozen_weights(tmp_path):
     for got in zl.launch(checkpoint_worker, world_size=3, args=(root, False), threads=1):   # resumed at N = 3
         for k in saved:
             assert torch.equal(got[k], saved[k]), k
-    from zerolab.engine.consolidate import consolidate_fp32
+    from zerolab.engine.checkpoint.consolidate import consolidate_fp32
     full, lean = consolidate_fp32(root), consolidate_fp32(root + "-lean")
     frozen = [k for k in saved if "lora" not in k]
     for k in saved:

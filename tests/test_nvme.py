@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import zerolab as zl
-from zerolab.engine import nvme
-from zerolab.engine.nvme import ChunkStore, MappedFile, NVMeError, SwapFile
+from zerolab.engine.offload import nvme
+from zerolab.engine.offload.nvme import ChunkStore, MappedFile, NVMeError, SwapFile
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
 
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import zerolab as zl
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
-from zerolab.engine.offload import OffloadMixin
+from zerolab.engine.offload.optimizer_mixin import OffloadMixin
 
 GAS = 2
 

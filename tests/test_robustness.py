@@ -17,8 +17,9 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 import zerolab as zl
-from zerolab.engine import ModelSnapshot, nvme
-from zerolab.engine.nvme import NVMeError, SwapFile
+from zerolab.engine import ModelSnapshot
+from zerolab.engine.offload import nvme
+from zerolab.engine.offload.nvme import NVMeError, SwapFile
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
 
 
@@ -97,7 +98,7 @@ def nvme_read_fails_on_rank1(path, stage, planted=False):
     ``planted``: the ranks do not agree first (the failing rank raises alone)."""
     rank = dist.get_rank()
     if planted:
-        from zerolab.engine.offload import OffloadMixin
+        from zerolab.engine.offload.optimizer_mixin import OffloadMixin
 
         def alone(self):
             if self.optimizer.read_error is not None:

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 import zerolab as zl
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
-from zerolab.engine import quantize as q
-from zerolab.engine.zeropp import ZeroPPEngine, qgz_reduce
+from zerolab.engine.zeropp import quantize as q
+from zerolab.engine.zeropp.engine import ZeroPPEngine, qgz_reduce
 from zerolab.runtime.comm import Communicator
 from zerolab.theory.comm import comm_breakdown, quantized_bytes, split_intra_inter
 
@@ -90,7 +90,7 @@ def _qgz_worker(planted):
     # row j (destined to rank j) is constant (r+1)(j+1): int4 represents it exactly, so the result is exact
     rows = torch.tensor([[(r + 1.0) * (j + 1)] * R for j in range(n)])
     if planted:      # forget the swizzle: send the rows in rank order to the local peers
-        from zerolab.engine.zeropp import a2a_reduce
+        from zerolab.engine.zeropp.engine import a2a_reduce
         m, k = n // c.ranks_per_node, c.ranks_per_node
         part = a2a_reduce(c.intra, rows.reshape(k, m, R), 7, "x")
         return a2a_reduce(c.inter, part.view(m, 1, R), 7, "y")[0].tolist()

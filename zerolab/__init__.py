@@ -40,8 +40,8 @@ _EXPORTS = {
     # engines (chapters 3-9)
     "initialize": "zerolab.engine",
     "gathered_parameters": "zerolab.engine",
-    "consolidate_fp32": "zerolab.engine.consolidate",     # checkpoints (chapter 8)
-    "CheckpointError": "zerolab.engine.checkpoint_io",
+    "consolidate_fp32": "zerolab.engine.checkpoint.consolidate",     # checkpoints (chapter 8)
+    "CheckpointError": "zerolab.engine.checkpoint.files",
     # book helpers
     "show": "zerolab.book",
 }

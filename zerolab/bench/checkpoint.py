@@ -84,7 +84,7 @@ def reshard_worker(model_name, root, stage_saved):
 CONSOLIDATE = """
 import json, sys
 from zerolab.runtime.measure import PeakMeter
-from zerolab.engine.consolidate import consolidate_fp32
+from zerolab.engine.checkpoint.consolidate import consolidate_fp32
 with PeakMeter("hwm") as m, PeakMeter("anon") as a:
     sd = consolidate_fp32(sys.argv[1])
 out = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in sd.values()}.values())

@@ -63,7 +63,7 @@ def adam_step_times(numel: int = 2_000_000, repeats: int = 5, deepspeed: bool = 
     shared machine the minimum is the least disturbed measurement)."""
     from types import SimpleNamespace
 
-    from zerolab.engine.offload import OffloadOptimizer
+    from zerolab.engine.offload.optimizer import OffloadOptimizer
     from zerolab.engine.optim import ShardedOptimizer
     g = torch.randn(numel)
     steps = {}

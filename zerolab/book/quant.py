@@ -1,6 +1,6 @@
 """Blockwise int8 / int4 quantization of a flat tensor: ZeRO++'s qwZ and qgZ, measured (chapter 9).
 
-The kernel is the engine's (``zerolab.engine.quantize``, which ZeRO++'s
+The kernel is the engine's (``zerolab.engine.zeropp.quantize``, which ZeRO++'s
 collectives use); this module wraps it for one flat tensor so the book can
 measure bytes and errors on real tensors, single process.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerolab.engine.quantize import QMAX, dequantize_rows, pack_int4, quantize_rows, unpack_int4
+from zerolab.engine.zeropp.quantize import QMAX, dequantize_rows, pack_int4, quantize_rows, unpack_int4
 
 
 @dataclass

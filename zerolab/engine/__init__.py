@@ -24,7 +24,7 @@ from zerolab.engine.stage0 import Stage0Engine
 from zerolab.engine.stage1 import Stage1Engine
 from zerolab.engine.stage2 import Stage2Engine
 from zerolab.engine.stage3 import Stage3Engine
-from zerolab.engine.zeropp import ZeroPPEngine
+from zerolab.engine.zeropp.engine import ZeroPPEngine
 
 __all__ = ["initialize", "gathered_parameters", "Engine", "Stage0Engine", "Stage1Engine", "Stage2Engine", "Stage3Engine",
            "ZeroPPEngine"]
@@ -54,7 +54,7 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None) ->
     check_zeropp(cfg.zero, cfg.precision, communicator.world_size, communicator.ranks_per_node)
     cls = ZeroPPEngine if cfg.zero.zeropp else ENGINES[cfg.zero.stage]
     if cfg.zero.offload_optimizer.device != "none" or cfg.zero.offload_param.device != "none":
-        from zerolab.engine.offloaded import offload_engine  # chapter 7: ZeRO-Offload / ZeRO-Infinity
+        from zerolab.engine.offload.engines import offload_engine  # chapter 7: ZeRO-Offload / ZeRO-Infinity
         cls = offload_engine(cfg.zero)
     saved = ModelSnapshot(model)
     try:

@@ -37,12 +37,12 @@ from zerolab.runtime.comm import CommLedger, Communicator
 from zerolab.runtime.measure import MemoryReport, storage_bytes
 from zerolab.engine.flat import FlatParams
 from zerolab.engine.groups import resolve_groups, unit_runs
-from zerolab.engine.load import load_state_dict
-from zerolab.engine.materialize import check_initialised, materialize
+from zerolab.engine.bigmodel.load import load_state_dict
+from zerolab.engine.bigmodel.materialize import check_initialised, materialize
 from zerolab.engine.buckets import GradientBuckets
-from zerolab.engine.state import consolidated_state_dict
-from zerolab.engine.checkpoint import save_16bit_model, save_checkpoint
-from zerolab.engine.checkpoint_load import load_checkpoint
+from zerolab.engine.checkpoint.state import consolidated_state_dict
+from zerolab.engine.checkpoint.save import save_16bit_model, save_checkpoint
+from zerolab.engine.checkpoint.load import load_checkpoint
 from zerolab.engine.optim import ShardedOptimizer, clip_coefficient, make_scheduler, sum_of_squares
 from zerolab.engine.precision import DynamicLossScaler, cast_floats, local_overflow, precision_of
 

@@ -176,7 +176,7 @@ class FlatParams:
         self.unit_views = [None] * len(self.units)   # per unit: its params' views of full[i] (materialize.py)
         if fill:
             if sharded:
-                raise ValueError("FlatParams(sharded=True) is filled by zerolab.engine.materialize")
+                raise ValueError("FlatParams(sharded=True) is filled by zerolab.engine.bigmodel.materialize")
             with torch.no_grad():
                 for i, u in enumerate(self.units):
                     for (_, p), view in zip(u.params, self.views(i)):

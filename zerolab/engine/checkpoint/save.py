@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from zerolab.engine.checkpoint_io import (FORMAT, LATEST, MODEL_STATES, VERSION, CheckpointError, dumps, fsync_dir,
+from zerolab.engine.checkpoint.files import (FORMAT, LATEST, MODEL_STATES, VERSION, CheckpointError, dumps, fsync_dir,
                                           model_file, optim_file, resolve_tag, write_checked, write_text_atomic)
-from zerolab.engine.state import frozen_ids, frozen_pieces, gather_state_dict, layout, owned_start, read_owned, schedule_position, state_keys
+from zerolab.engine.checkpoint.state import frozen_ids, frozen_pieces, gather_state_dict, layout, owned_start, read_owned, schedule_position, state_keys
 
 MESSAGE_BYTES = 480   # an error message travels to every rank in a fixed-size tensor
 

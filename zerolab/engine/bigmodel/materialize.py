@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..runtime.measure import trim_heap
-from .flat import released
+from zerolab.runtime.measure import trim_heap
+from zerolab.engine.flat import released
 
 
 def direct_owners(model: nn.Module) -> dict:

@@ -16,11 +16,11 @@ import warnings
 
 import torch
 
-from zerolab.engine.checkpoint import agree
-from zerolab.engine.load import load_frozen_shards
-from zerolab.engine.checkpoint_io import CheckpointError, check_tag_dir, optim_file, read_manifest, resolve_tag
-from zerolab.engine.reshard import SavedCheckpoint, check_compatible, fill_owned
-from zerolab.engine.state import ShiftedSchedule, layout, owned_start, state_keys, write_owned
+from zerolab.engine.checkpoint.save import agree
+from zerolab.engine.bigmodel.load import load_frozen_shards
+from zerolab.engine.checkpoint.files import CheckpointError, check_tag_dir, optim_file, read_manifest, resolve_tag
+from zerolab.engine.checkpoint.reshard import SavedCheckpoint, check_compatible, fill_owned
+from zerolab.engine.checkpoint.state import ShiftedSchedule, layout, owned_start, state_keys, write_owned
 
 
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from zerolab.engine.checkpoint_io import CheckpointError, MANIFEST, model_file, optim_file, read_checked
+from zerolab.engine.checkpoint.files import CheckpointError, MANIFEST, model_file, optim_file, read_checked
 
 
 class SavedCheckpoint:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from zerolab.config import ConfigError
 from zerolab.runtime.measure import storage_bytes
-from zerolab.engine.nvme import MappedFile, check_nvme_path
+from zerolab.engine.offload.nvme import MappedFile, check_nvme_path
 
 
 class ParamOffloadMixin:

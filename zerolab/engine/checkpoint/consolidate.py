@@ -6,7 +6,7 @@
 wrote the checkpoint: a zerolab checkpoint (a ``<tag>/manifest.json``) is read
 here (``reshard.consolidate``: one saved rank's file at a time, memory-mapped,
 so the peak is about the output plus one shard); a DeepSpeed one goes to
-``zerolab.engine.ds_checkpoint`` (``is_deepspeed_checkpoint`` /
+``ds_files`` / ``ds_merge`` (``is_deepspeed_checkpoint`` /
 ``deepspeed_fp32_state_dict``), which reads DeepSpeed's files without
 DeepSpeed. ``write_state_dict`` writes ``.safetensors`` when the output's
 extension asks for it (and the package is installed), else ``torch.save``.
@@ -19,9 +19,9 @@ import sys
 
 import torch
 
-from zerolab.engine import ds_checkpoint
-from zerolab.engine.checkpoint_io import MANIFEST, CheckpointError, check_tag_dir, read_manifest, resolve_tag
-from zerolab.engine.reshard import SavedCheckpoint, consolidate
+from zerolab.engine.checkpoint import ds_files, ds_merge
+from zerolab.engine.checkpoint.files import MANIFEST, CheckpointError, check_tag_dir, read_manifest, resolve_tag
+from zerolab.engine.checkpoint.reshard import SavedCheckpoint, consolidate
 
 
 def zerolab_tag_dir(checkpoint_dir, tag=None) -> str | None:
@@ -56,8 +56,8 @@ def consolidate_fp32(checkpoint_dir, tag=None) -> dict:
         raise CheckpointError(f"{checkpoint_dir}: not a directory")
     if zerolab_tag_dir(checkpoint_dir, tag) is not None:
         return zerolab_fp32_state_dict(checkpoint_dir, tag)
-    if ds_checkpoint.is_deepspeed_checkpoint(checkpoint_dir, tag):   # the dispatch point for other formats
-        return ds_checkpoint.deepspeed_fp32_state_dict(checkpoint_dir, tag)
+    if ds_files.is_deepspeed_checkpoint(checkpoint_dir, tag):   # the dispatch point for other formats
+        return ds_merge.deepspeed_fp32_state_dict(checkpoint_dir, tag)
     where = os.path.join(checkpoint_dir, tag or "<latest>")
     raise CheckpointError(f"{checkpoint_dir}: no checkpoint found (zerolab: no {where}/{MANIFEST}"
                           + "; DeepSpeed: no 'latest' or *_model_states.pt files)")

@@ -6,13 +6,13 @@
         Stage3ParamOffloadEngine                                          = ParamOffloadMixin + stage 3
         Stage3FullOffloadEngine        (both)                             = OffloadMixin + ParamOffloadMixin + stage 3
 
-``OffloadMixin`` is in ``offload.py``, ``ParamOffloadMixin`` in ``param_offload.py``;
+``OffloadMixin`` is in ``optimizer_mixin.py``, ``ParamOffloadMixin`` in ``params.py``;
 ``offload_engine`` picks the class for a config's ``zero_optimization`` section.
 """
 from __future__ import annotations
 
-from zerolab.engine.offload import OffloadMixin
-from zerolab.engine.param_offload import ParamOffloadMixin
+from zerolab.engine.offload.optimizer_mixin import OffloadMixin
+from zerolab.engine.offload.params import ParamOffloadMixin
 from zerolab.engine.stage1 import Stage1Engine
 from zerolab.engine.stage2 import Stage2Engine
 from zerolab.engine.stage3 import Stage3Engine

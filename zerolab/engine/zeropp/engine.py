@@ -38,7 +38,7 @@ from contextlib import contextmanager
 import torch
 
 from zerolab.engine import events as ev
-from zerolab.engine.quantize import pack, unpack
+from zerolab.engine.zeropp.quantize import pack, unpack
 from zerolab.engine.stage3 import Stage3Engine
 from zerolab.runtime.measure import storage_bytes
 

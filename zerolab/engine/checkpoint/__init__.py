@@ -1,0 +1,13 @@
+"""Checkpoints (chapter 8): saving, loading at any world size and stage, consolidating, reading DeepSpeed's.
+
+    save.py         ``engine.save_checkpoint`` / ``save_16bit_model``: every rank writes its shard, atomically
+    load.py         ``engine.load_checkpoint``: each rank reads the elements it now owns, whatever the saved layout
+    files.py        file names, the manifest, checksummed writes, ``latest``
+    state.py        the engine's state unit by unit: what is saved, the full state dict, offload's pieces
+    reshard.py      a saved checkpoint as one flat range per unit: any rank's elements, or everything (consolidate)
+    consolidate.py  ``python -m zerolab consolidate``: one fp32 state dict, no torch.distributed, no engine
+    ds_files.py     DeepSpeed's own checkpoint files, found and unpickled safely
+    ds_merge.py     DeepSpeed's fp32 partitions merged into whole weights
+
+The format is docs/CHECKPOINTS.md.
+"""
