@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 import zerolab as zl
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
-from zerolab.engine.stage1 import Stage1Engine, pick_collectives
+from zerolab.engine.collectives import pick_collectives
+from zerolab.engine.stage1 import Stage1Engine
 
 import test_engine_equivalence as eq
 
@@ -116,7 +117,7 @@ def test_planted_stage2_unit_never_reduced_is_caught(monkeypatch):
 
     def planted(self, g):
         if g == 2:   # a block's collective
-            del self._unit_staging[g]
+            self.staging.pop(g)
             return
         real(self, g)
     assert_plant_is_caught(monkeypatch, Stage2Engine, "reduce_units", planted, sgd_case(2))
@@ -148,10 +149,12 @@ def test_stage2_holds_units_not_the_bucket_during_backward(monkeypatch):
     """With one bucket for the whole model, the gradient bytes held during backward stay below one
     full gradient (the shard plus the units being filled); staging the bucket whole (the planted
     bug, and the old design) holds the full gradient plus the shard."""
+    import zerolab.engine
     from zerolab.engine.stage2 import Stage2Engine
+    from zerolab.engine.whole_buckets import WholeBucketStaging
     for plant in (False, True):
         if plant:
-            monkeypatch.setattr(Stage2Engine, "stages_buckets_whole", True)
+            monkeypatch.setitem(zerolab.engine.ENGINES, 2, type("Whole", (WholeBucketStaging, Stage2Engine), {}))
         peak, full, largest = zl.launch(peak_worker, world_size=2, threads=1)[0]
         if plant:
             assert peak == full + full // 2

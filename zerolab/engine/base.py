@@ -33,16 +33,12 @@ import torch
 from torch import nn
 
 from zerolab.engine import events as ev
-from zerolab.runtime.comm import CommLedger, Communicator
-from zerolab.runtime.measure import MemoryReport, storage_bytes
+from zerolab.runtime.comm import Communicator
 from zerolab.engine.flat import FlatParams
 from zerolab.engine.groups import resolve_groups, unit_runs
-from zerolab.engine.bigmodel.load import load_state_dict
 from zerolab.engine.bigmodel.materialize import check_initialised, materialize
+from zerolab.engine.api import EngineAPI
 from zerolab.engine.buckets import GradientBuckets
-from zerolab.engine.checkpoint.state import consolidated_state_dict
-from zerolab.engine.checkpoint.save import save_16bit_model, save_checkpoint
-from zerolab.engine.checkpoint.load import load_checkpoint
 from zerolab.engine.optim import ShardedOptimizer, clip_coefficient, make_scheduler, sum_of_squares
 from zerolab.engine.precision import DynamicLossScaler, cast_floats, local_overflow, precision_of
 
@@ -61,7 +57,7 @@ def make_communicator(link=None) -> Communicator:
     return Communicator(link=link)
 
 
-class Engine(GradientBuckets):
+class Engine(EngineAPI, GradientBuckets):
     """The training loop; a stage subclass defines own/build_grads/keep_grad/reduce_bucket/
     owned_grads/zero_grads/after_update/grad_bytes (see ``Stage0Engine``)."""
     stage = 0
@@ -264,65 +260,3 @@ class Engine(GradientBuckets):
             c.broadcast(p.data, src=0, tag="init-frozen")
         for _, b in self.module.named_buffers():
             c.broadcast(b, src=0, tag="init-buffers")
-
-    @property
-    def comm(self) -> CommLedger:
-        return self.communicator.ledger
-
-    def memory(self) -> MemoryReport:
-        """Bytes this rank holds right now, by category (chapter 1's Table 1, measured).
-
-        params: the flat 16-bit (or fp32) parameters, padded, plus frozen ones; grads: the
-        gradient buffer (stage 2: the shard); optimizer: fp32 master + state; buffers: the
-        model's buffers, staging buckets and in-flight temporaries."""
-        frozen = {p.untyped_storage().data_ptr(): storage_bytes(p) for _, p in self.flat.frozen}
-        buffers = {b.untyped_storage().data_ptr(): storage_bytes(b) for b in self.module.buffers()}
-        return MemoryReport(
-            params=storage_bytes(self.flat.flat) + sum(frozen.values()),
-            grads=self.grad_bytes(),
-            optimizer=storage_bytes(self.master) + self.optimizer.nbytes(),
-            buffers=sum(buffers.values()) + self.transient_bytes())
-
-    def train(self, mode: bool = True):
-        self.module.train(mode)
-        return self
-
-    def eval(self):
-        return self.train(False)
-
-    def parameters(self):
-        return self.module.parameters()
-
-    def param_shape(self, p) -> torch.Size:
-        """A trainable parameter's full shape (stage 3 overrides it: a released parameter is empty)."""
-        return p.shape
-
-    def full_state_dict(self, rank0_only: bool = False) -> dict | None:
-        """Collective: the model's state dict with consolidated fp32 parameters, on every rank; with
-        ``rank0_only`` on rank 0 only (the others hold one unit at a time and get None)."""
-        return consolidated_state_dict(self, rank0_only)
-
-    # ---------------------------------------------------------------- checkpoints (chapter 8)
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False) -> str:
-        """Collective: save to ``save_dir/<tag>`` (default ``global_step{N}``), atomically (engine/checkpoint.py)."""
-        return save_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters)
-
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
-        """Collective: load ``load_dir/<tag>`` (default: ``latest``), at any world size and stage;
-        returns ``(path, client_state)``, ``(None, None)`` if there is no checkpoint (engine/checkpoint_load.py)."""
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
-
-    def save_16bit_model(self, save_dir, filename="pytorch_model.bin", exclude_frozen_parameters=False):
-        """Collective: rank 0 writes the whole model in its compute dtype (gathered at stage 3)."""
-        return save_16bit_model(self, save_dir, filename, exclude_frozen_parameters)
-
-    def load_state_dict(self, state_dict_or_path, strict: bool = True):
-        """Load a dict, a ``.pt`` or a ``.safetensors`` file (memory-mapped) into the parameters:
-        each rank copies only its own shard's elements (``engine/load.py``). Call on every rank."""
-        return load_state_dict(self, state_dict_or_path, strict)
-
-    def close(self) -> None:
-        """Remove the hooks (the model keeps its flat-buffer parameters)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []

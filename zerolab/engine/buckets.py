@@ -182,3 +182,31 @@ class GradientBuckets:
         """Bytes in staging buffers and in-flight temporaries right now."""
         storages = {t.untyped_storage().data_ptr(): storage_bytes(t) for _, _, keep, _ in self._pending for t in keep}
         return sum(storages.values())
+
+
+class UnitStaging:
+    """Stage 2's staging buffers during backward: one per group of units reduced by one collective (a
+    unit alone, or on gloo a small unit and the next, ``collectives.reduce_groups``), created with the
+    group's first gradient and handed to the collective when the group is reduced."""
+
+    def __init__(self, units: list[Unit], groups: list[list[int]], dtype, device):
+        self.units, self.groups, self.dtype, self.device = units, groups, dtype, device
+        self.group_of = {j: g for g, js in enumerate(groups) for j in js}
+        self.offset = {j: sum(units[k].padded for k in js[:js.index(j)]) for js in groups for j in js}
+        self.buffers = {}   # group -> its units' full gradients, alive until its collective is issued
+
+    def view(self, j: int) -> torch.Tensor:
+        """Unit ``j``'s slice of its group's staging buffer (created with the group's first gradient)."""
+        g, units = self.group_of[j], self.units
+        if g not in self.buffers:
+            # staging, grad dtype: the group's padded elements; every gradient is copied in whole, so only
+            # the padding is zeroed here (and, by stage 2, the parameters that got no gradient)
+            buf = torch.empty(sum(units[k].padded for k in self.groups[g]), dtype=self.dtype, device=self.device)
+            for k in self.groups[g]:
+                buf[self.offset[k] + units[k].numel: self.offset[k] + units[k].padded].zero_()
+            self.buffers[g] = buf
+        return self.buffers[g][self.offset[j]: self.offset[j] + units[j].padded]
+
+    def pop(self, g: int) -> torch.Tensor:
+        """Group ``g``'s buffer, no longer held here (from now on only its collective holds it)."""
+        return self.buffers.pop(g)

@@ -19,12 +19,8 @@ A reduce-scatter plus an all-gather moves the same bytes as one all-reduce
 (2Ψ(N-1)/N), so ZeRO-1 saves 12Ψ(N-1)/N bytes of optimizer state for free.
 Gradients are still accumulated whole (Ψ elements) until the boundary.
 
-Which collectives, per backend (``{"zerolab": {"collectives": ...}}``, ``pick_collectives``):
-that pair is the ring algorithm's, and NCCL's fastest. gloo has no true reduce-scatter (it
-all-reduces and keeps a slice: the wire carries an all-reduce's bytes anyway) and its
-all-gather is slower than N broadcasts, so on gloo (the default, "per_backend") the engine
-all-reduces each gradient bucket in place, as stage 0 does, and rank r broadcasts its updated
-shard of each unit in place: no copy at all; the ledger books what these calls send (3Ψ(N-1)/N).
+On gloo the engine issues other collectives with the same result
+(``collectives.py``: a tuning, not the algorithm).
 """
 from __future__ import annotations
 
@@ -32,17 +28,8 @@ import torch
 
 from zerolab.engine import events as ev
 from zerolab.engine.buckets import HandleGroup
+from zerolab.engine.collectives import gather_unit, plan_collectives
 from zerolab.engine.stage0 import Stage0Engine
-
-
-def pick_collectives(choice: str, backend: str) -> str:
-    """The pair of collectives a ZeRO-1/2 step runs: "reduce_scatter" (reduce-scatter the gradients,
-    all-gather the parameters) or "all_reduce" (all-reduce the gradients, each rank broadcasts its
-    shard). "per_backend": "all_reduce" on gloo, where it is faster (docs/MEASUREMENTS.md), else
-    "reduce_scatter"."""
-    if choice == "per_backend":
-        return "all_reduce" if backend == "gloo" else "reduce_scatter"
-    return choice
 
 
 class Stage1Engine(Stage0Engine):
@@ -53,12 +40,8 @@ class Stage1Engine(Stage0Engine):
         self._gathers = {}       # gather bucket -> issued all-gather, for the step in progress
         self._to_update = None   # gather bucket -> units still to update in this step (None: none issued)
         super().__init__(model, cfg, communicator, **kw)
-        # stage 3 gathers before use, never after the step: it keeps the ring pair
-        pair = "reduce_scatter" if self.partitions_params else pick_collectives(cfg.collectives,
-                                                                                 self.communicator.backend)
-        self.grad_collective = "reduce_scatter" if pair == "reduce_scatter" and cfg.zero.reduce_scatter \
-            else "all_reduce"   # DeepSpeed's "reduce_scatter": false all-reduces whatever the pair
-        self.param_collective = "all_gather" if pair == "reduce_scatter" else "broadcast"
+        self.grad_collective, self.param_collective = plan_collectives(cfg, self.communicator.backend,
+                                                                       self.partitions_params)
 
     def own(self, buf: torch.Tensor, u) -> torch.Tensor:
         """The part of unit ``u`` this rank updates: its shard ``[r*S, (r+1)*S)``."""
@@ -67,7 +50,7 @@ class Stage1Engine(Stage0Engine):
     def reduce_bucket(self, i: int) -> None:
         if self.grad_collective == "reduce_scatter":
             self.reduce_scatter_grads(i)
-        else:  # gloo, or "reduce_scatter": false: all-reduce (2x the ring's bytes); the own slice is in place
+        else:  # gloo, or "reduce_scatter": false: stage 0's all-reduce; the own slice is in place
             self.all_reduce_grads(i)
 
     def reduce_scatter_grads(self, i: int) -> None:
@@ -115,20 +98,15 @@ class Stage1Engine(Stage0Engine):
 
     def _issue_gather(self, i: int) -> None:
         """All-gather gather bucket ``i`` unit by unit, straight into each unit's flat buffer:
-        no N x S staging and no unpacking. The input is a copy of this rank's shard (S).
-        Broadcasts (gloo): rank r sends shard r of each unit in place, no copy; they run
-        concurrently, and without ``overlap_comm`` the bucket is waited for here."""
-        flat, b, c = self.flat, self.gather_buckets[i], self.communicator
+        no N x S staging and no unpacking (gloo: N broadcasts, ``collectives.gather_unit``).
+        Without ``overlap_comm`` the bucket is waited for here."""
+        flat, b = self.flat, self.gather_buckets[i]
         self.event(ev.GATHER_ISSUED, i)
         inputs, handles = [], []
         for u in b:
-            full = flat.unit_view(flat.flat, u)
-            if self.param_collective == "broadcast":
-                handles += [c.broadcast(full[r * u.shard: (r + 1) * u.shard], src=r, async_op=True,
-                                        tag=f"param-bucket-{i}") for r in range(self.world_size)]
-                continue
-            inp = self.own(flat.flat, u).clone()   # (S,) this rank's updated shard, a copy
-            handles.append(c.all_gather(full, inp, async_op=self.overlap_comm, tag=f"param-bucket-{i}"))
+            hs, inp = gather_unit(self.communicator, flat.unit_view(flat.flat, u), self.own(flat.flat, u), u.shard,
+                                  self.world_size, self.param_collective, self.overlap_comm, f"param-bucket-{i}")
+            handles += hs
             inputs.append(inp if self.overlap_comm else None)   # in flight: keep its input alive
         group = HandleGroup(handles)
         if not self.overlap_comm:

@@ -16,54 +16,44 @@ shards in rank order, so the reduce-scatter reads it as it is:
 Buckets (``reduce_bucket_size``) still group units: their collectives are
 issued unit by unit, in backward order, and the bucket is done when its last
 unit is; with ``overlap_comm`` a bucket's size bounds the gradient elements
-staged or in flight at once (the oldest collective is waited for first). On
-gloo (``pick_collectives``) a unit's buffer is all-reduced in place and this
-rank's slice kept, and a unit smaller than an eighth of the largest does not get a call of its
-own: it goes in one all-reduce with the next unit of its bucket (``reduce_groups``; a synchronous
-gloo call costs about the same whatever its size, docs/MEASUREMENTS.md). A subclass whose collective needs a whole bucket at once
-(ZeRO++'s qgZ all-to-all, the offload engines) sets ``stages_buckets_whole``:
-its bucket is staged *rank-major* (row r = rank r's shard of every unit).
+staged or in flight at once (the oldest collective is waited for first).
 
 The price: gradients cannot wait for the accumulation boundary (nobody keeps
 the full sum), so *every* micro-batch reduce-scatters; per step that is
 g reduce-scatters plus one all-gather, (g+1)/2 times stage 1's bytes.
 ``contiguous_gradients``: the shard is one contiguous buffer in shard space,
 so the reduce-scatter writes into it directly and the optimizer reads it as is.
+
+Not the idea, in files of their own: on gloo a unit is all-reduced and a small
+unit shares its neighbour's call (``collectives.py``, a tuning); ZeRO++'s qgZ and
+the offload engines stage a whole bucket at once (``whole_buckets.py``).
 """
 from __future__ import annotations
 
 import torch
 
 from zerolab.engine import events as ev
-from zerolab.runtime.measure import storage_bytes
-from zerolab.engine.buckets import rank_major_pieces
+from zerolab.engine.buckets import UnitStaging
+from zerolab.engine.collectives import all_reduce_own_slices, reduce_groups
 from zerolab.engine.stage1 import Stage1Engine
+from zerolab.runtime.measure import storage_bytes
 
 
 class Stage2Engine(Stage1Engine):
     stage = 2
     reduce_every_micro_step = True
-    stages_buckets_whole = False   # True: a bucket's gradients are staged rank-major for one collective
 
     def build_grads(self) -> None:
         """Only this rank's gradient shard is kept; full gradients exist briefly, per unit."""
         # gradient shard, grad dtype: padded Ψ / N elements (contiguous_gradients)
         self.grad_shard = torch.zeros(self.flat.shard_numel, dtype=self.precision.grad_dtype, device=self.flat.device)
         units = self.flat.units
-        self._unit_staging = {}   # group -> its units' full gradients (Σ padded_u,), alive until its collective is done
         self._place = {id(p): (j, off) for j, u in enumerate(units) for (_, p), off in zip(u.params, u.offsets)}
         self._unit_index = index = {id(u): j for j, u in enumerate(units)}
         self._order = [index[id(u)] for b in self.buckets for u in reversed(b)]   # backward order
         self._bucket_of_unit = {index[id(u)]: i for i, b in enumerate(self.buckets) for u in b}
-        self._groups = None   # units reduced by one collective (reduce_groups), set at the first backward
-        self._staging = [None] * len(self.buckets)   # stages_buckets_whole: per bucket, rank-major
-        self._pieces = {}                            # id(p) -> (bucket, [(src start, src end, dst start)])
-        for i, b in enumerate(self.buckets if self.stages_buckets_whole else []):
-            row, col = sum(u.shard for u in b), 0    # ΣS: one rank's share of the bucket
-            for u in b:
-                for (_, p), off in zip(u.params, u.offsets):
-                    self._pieces[id(p)] = (i, rank_major_pieces(off, p.numel(), u.shard, row, col))
-                col += u.shard
+        self._groups = None       # units reduced by one collective, set at the first backward
+        self.staging = None       # their staging buffers (buckets.UnitStaging)
         for p in self.flat.params():
             p.grad = None
 
@@ -73,76 +63,32 @@ class Stage2Engine(Stage1Engine):
         self._unit_ready = [False] * len(self.flat.units)
         self._units_left = [len(b) for b in self.buckets]             # units not yet reduced, per bucket
         self._next_group = 0                                          # position in self._groups
-        if self._groups is None and not self.stages_buckets_whole:   # grad_collective is known by now
-            units, self._groups = self.flat.units, self.reduce_groups()
-            self._group_of = {j: g for g, js in enumerate(self._groups) for j in js}
-            self._group_off = {j: sum(units[k].padded for k in js[:js.index(j)]) for js in self._groups for j in js}
-
-    def reduce_groups(self) -> list[list[int]]:
-        """Which units share a collective, in backward order: each unit alone, except on the all-reduce
-        path (gloo), where a unit smaller than 1/8 of the largest joins the next unit of its bucket."""
-        units, small = self.flat.units, max(u.padded for u in self.flat.units) / 8
-        groups, cur = [], []
-        for k, j in enumerate(self._order):
-            cur.append(j)
-            nxt = self._order[k + 1] if k + 1 < len(self._order) else None
-            if self.grad_collective != "all_reduce" or units[j].padded >= small or nxt is None \
-                    or self._bucket_of_unit[nxt] != self._bucket_of_unit[j]:
-                groups.append(cur)
-                cur = []
-        return groups
-
-    def _unit_buffer(self, j: int) -> torch.Tensor:
-        """Unit ``j``'s slice of its group's staging buffer (created with the group's first gradient)."""
-        g = self._group_of[j]
-        if g not in self._unit_staging:
-            # staging, grad dtype: the group's padded elements; every gradient is copied in whole, so only
-            # the padding is zeroed here (and, in reduce_units, the parameters that got no gradient)
-            buf = torch.empty(sum(self.flat.units[k].padded for k in self._groups[g]),
-                              dtype=self.grad_shard.dtype, device=self.grad_shard.device)
-            for k in self._groups[g]:
-                u = self.flat.units[k]
-                buf[self._group_off[k] + u.numel: self._group_off[k] + u.padded].zero_()
-            self._unit_staging[g] = buf
-        u, off = self.flat.units[j], self._group_off[j]
-        return self._unit_staging[g][off: off + u.padded]
-
-    def _zero_missing(self, j: int, staging: torch.Tensor) -> None:
-        """Unit ``j`` goes with parameters that got no gradient in this backward (unused): zeros for them."""
-        u = self.flat.units[j]
-        ends = u.offsets[1:] + [u.numel]
-        for (_, p), a, b in zip(u.params, u.offsets, ends):
-            if id(p) not in self._fired:
-                staging[a:b].zero_()
+        if self._groups is None:   # grad_collective is known by now: which units share a call (collectives.py)
+            self._groups = reduce_groups(self.flat.units, self._order, self._bucket_of_unit, self.grad_collective)
+            self.staging = UnitStaging(self.flat.units, self._groups, self.grad_shard.dtype, self.grad_shard.device)
 
     def keep_grad(self, p) -> None:
         """Copy the fresh gradient into its unit's staging buffer and drop ``p.grad``."""
-        g = p.grad.view(-1)
-        if self.stages_buckets_whole:
-            i, pieces = self._pieces[id(p)]
-            staging = self._staging_buffer(i)
-            for a, b, d in pieces:
-                staging[d: d + b - a].copy_(g[a:b])
-        else:
-            j, off = self._place[id(p)]
-            self._unit_buffer(j)[off: off + g.numel()].copy_(g)
+        self.stage_grad(p, p.grad.view(-1))
         p.grad = None
+
+    def stage_grad(self, p, g: torch.Tensor) -> None:
+        j, off = self._place[id(p)]
+        self.staging.view(j)[off: off + g.numel()].copy_(g)
 
     def grad_arrived(self, p) -> None:
         """A unit whose gradients are all in is reduced now (in backward order), not with its bucket."""
-        if not self.stages_buckets_whole:
-            j = self._place[id(p)][0]
-            self._unit_left[j] -= 1
-            if self._unit_left[j] == 0:
-                self._unit_ready[j] = True
-                self._reduce_ready_units()
+        j = self._place[id(p)][0]
+        self._unit_left[j] -= 1
+        if self._unit_left[j] == 0:
+            self._unit_ready[j] = True
+            self._reduce_ready_units()
         super().grad_arrived(p)
 
     def reduce_bucket(self, i: int) -> None:
-        """Bucket ``i`` is complete (or backward ended): reduce what is left of it."""
-        if self.stages_buckets_whole:
-            return super().reduce_bucket(i)
-        for u in self.buckets[i]:   # units without gradients (unused parameters) go as zeros
+        """Bucket ``i`` is complete (or backward ended): reduce what is left of it; units without
+        gradients (unused parameters) go as zeros."""
+        for u in self.buckets[i]:
             self._unit_ready[self._unit_index[id(u)]] = True
         self._reduce_ready_units()
 
@@ -155,17 +101,20 @@ class Stage2Engine(Stage1Engine):
             self._next_group += 1
 
     def reduce_units(self, g: int) -> None:
-        """Reduce group ``g``'s staging buffer (one unit, or a small one and the next) into this rank's
-        gradient shard; free the buffer when done."""
+        """Reduce-scatter group ``g``'s staging buffer (one unit; on gloo perhaps a small one and the
+        next) into this rank's gradient shard; free the buffer when done."""
         js, i = self._groups[g], self._bucket_of_unit[self._groups[g][0]]
+        units = [self.flat.units[j] for j in js]
         if self.overlap_comm:
             self.bound_in_flight()
-        views = [self._unit_buffer(j) for j in js]   # (creates the buffer if no gradient came)
-        staging = self._unit_staging.pop(g)          # from here on only the collective holds it
-        for j, view in zip(js, views):
-            if self._unit_left[j]:
-                self._zero_missing(j, view)
-        dests = [self.flat.shard_view(self.grad_shard, self.flat.units[j]) for j in js]
+        views = [self.staging.view(j) for j in js]   # (creates the buffer if no gradient came)
+        staging = self.staging.pop(g)                # from here on only the collective holds it
+        for u, j, view in zip(units, js, views):
+            if self._unit_left[j]:   # parameters that got no gradient in this backward (unused): zeros
+                for (_, p), a, b in zip(u.params, u.offsets, u.offsets[1:] + [u.numel]):
+                    if id(p) not in self._fired:
+                        view[a:b].zero_()
+        dests = [self.flat.shard_view(self.grad_shard, u) for u in units]
         first = self.micro_steps % self.gas == 0   # first micro-batch of the step: the shard is zero
         self.announce(i)
         if self.grad_collective == "reduce_scatter":   # one unit: its layout is its N shards
@@ -173,11 +122,9 @@ class Stage2Engine(Stage1Engine):
             h = self.communicator.reduce_scatter(outs[0], staging, async_op=self.overlap_comm,
                                                  tag=f"grad-bucket-{i}")
             keep = (staging,) if first else (staging, outs[0])
-        else:                   # gloo: all-reduce in place, keep this rank's slice of each unit
-            outs = [v[self.rank * u.shard: (self.rank + 1) * u.shard]
-                    for v, u in zip(views, (self.flat.units[j] for j in js))]
-            h = self.communicator.all_reduce(staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
-            keep = (staging,)
+        else:   # a tuning (collectives.py): all-reduce in place, keep this rank's slice of each unit
+            h, outs, keep = all_reduce_own_slices(self.communicator, staging, views, units, self.rank,
+                                                  self.overlap_comm, f"grad-bucket-{i}")
 
         def finish():
             for out, dest in zip(outs, dests):
@@ -197,36 +144,6 @@ class Stage2Engine(Stage1Engine):
                 self.config.zero.reduce_bucket_size:
             self.finish_oldest()
 
-    # ---------------------------------------------------------------- a bucket staged whole
-    def _staging_buffer(self, i: int) -> torch.Tensor:
-        if self._staging[i] is None:
-            numel = self.world_size * sum(u.shard for u in self.buckets[i])
-            # staging, grad dtype: N x ΣS rank-major (zeros: padding and unused params)
-            self._staging[i] = torch.zeros(numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
-        return self._staging[i]
-
-    def _bucket_shard(self, i: int) -> torch.Tensor:
-        """This rank's gradient shard of bucket ``i``: contiguous in shard space, (ΣS,)."""
-        b = self.buckets[i]
-        return self.grad_shard[b[0].shard_offset: b[-1].shard_offset + b[-1].shard]
-
-    def reduce_scatter_grads(self, i: int) -> None:
-        """Reduce-scatter bucket ``i``'s rank-major staging into this rank's gradient shard; free it."""
-        staging, self._staging[i] = self._staging_buffer(i), None
-        dest = self._bucket_shard(i)
-        first = self.micro_steps % self.gas == 0
-        out = dest if first else torch.empty_like(dest)
-        h = self.communicator.reduce_scatter(out, staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
-        self.track(h, None if first else (lambda: dest.add_(out)), (staging,) if first else (staging, out), i)
-
-    def all_reduce_grads(self, i: int) -> None:
-        """All-reduce bucket ``i``'s rank-major staging (2x the bytes), keep this rank's row."""
-        staging, self._staging[i] = self._staging_buffer(i), None
-        dest = self._bucket_shard(i)
-        h = self.communicator.all_reduce(staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
-        mine = staging[self.rank * dest.numel(): (self.rank + 1) * dest.numel()]
-        self.track(h, lambda: dest.add_(mine), (staging,), i)
-
     # ---------------------------------------------------------------- what the step reads, memory
     def owned_grads(self) -> list[torch.Tensor]:
         return [self.flat.shard_view(self.grad_shard, u) for u in self.flat.units]
@@ -239,6 +156,6 @@ class Stage2Engine(Stage1Engine):
 
     def transient_bytes(self) -> int:
         storages = {t.untyped_storage().data_ptr(): storage_bytes(t) for _, _, keep, _ in self._pending for t in keep}
-        storages.update({s.untyped_storage().data_ptr(): storage_bytes(s) for s in self._staging if s is not None})
-        storages.update({s.untyped_storage().data_ptr(): storage_bytes(s) for s in self._unit_staging.values()})
+        if self.staging is not None:
+            storages.update({s.untyped_storage().data_ptr(): storage_bytes(s) for s in self.staging.buffers.values()})
         return sum(storages.values())

@@ -19,38 +19,29 @@ gather, reduce-scatter): 1.5x DDP, for 16Ψ/N bytes of model state.
 
 Released buffers keep their identity (``untyped_storage().resize_(0)``, as
 FSDP does), so tensors autograd saved in forward (e.g. ``weight.t()``) see the
-re-gathered values in backward and never pin the memory. Knobs (DeepSpeed's
-names): ``stage3_param_persistence_threshold`` (parameters this small stay
-whole, in a unit of their own, all-gathered after the step like stage 2),
-``stage3_prefetch_bucket_size`` (elements gathered ahead; 0 = no prefetch),
-``stage3_max_live_parameters`` (gathered elements allowed at once; a unit
-being computed is always gathered) and ``stage3_max_reuse_distance`` (keep a
-unit that is used again within this many elements). The order units run in
-comes from ``prefetch.UnitTrace``. ``{"zerolab": {"debug": true}}`` makes a
-released parameter raise an explanatory error when touched.
-
-Frozen parameters (a LoRA base) are partitioned too (``frozen_flat``): unit
-indices past the trainable ones are *frozen twins*, gathered and released with
-their unit, with no gradient or optimizer state; ``unit_hooks.py`` says what
-their release in backward waits for.
+re-gathered values in backward and never pin the memory.
+``stage3_param_persistence_threshold``: parameters this small stay whole, in a
+unit of their own, all-gathered after the step like stage 2. Gathering ahead
+and keeping units for reuse (the other ``stage3_*`` knobs) is ``prefetch.py``;
+frozen parameters (a LoRA base) are partitioned as *frozen twins*, ``frozen.py``.
+``{"zerolab": {"debug": true}}``: a released parameter raises an explanatory error when touched.
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 from torch import nn
 
 from zerolab.engine import events as ev
 from zerolab.runtime.measure import storage_bytes
-from zerolab.engine.prefetch import UnitTrace
+from zerolab.engine.frozen import FrozenTwins, release_waits, with_twins
 from zerolab.engine.gathered import GatheredMixin, ReleasedParameter
-from zerolab.engine.unit_hooks import release_waits, tensors_of, unit_hooks
+from zerolab.engine.prefetch import Prefetcher, UnitTrace
+from zerolab.engine.unit_hooks import tensors_of, unit_hooks
 from zerolab.engine.stage2 import Stage2Engine
 from zerolab.engine.flat import released
 
 
-class Stage3Engine(GatheredMixin, Stage2Engine):
+class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, Stage2Engine):
     stage = 3
 
     def persist_threshold(self) -> int:
@@ -69,22 +60,14 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         self.param_shard = flat.flat
         # frozen ones, compute dtype: padded Ψ_frozen / N elements (None: nothing frozen to partition)
         self.frozen_shard = fz.flat if fz is not None else None
-        # unit indices: the trainable units, then the frozen twins (index T + j)
+        # unit indices: the trainable units, then the frozen twins (T + j); per unit a (padded_u,)
+        # full buffer, compute dtype, 0 bytes of storage while released, and its (param, view) pairs
         self.n_trainable = len(flat.units)
-        self.units = list(flat.units) + (list(fz.units) if fz is not None else [])
-        # per unit, compute dtype: (padded_u,) full buffer; 0 bytes of storage while released
-        self._full = list(flat.full) + (list(fz.full) if fz is not None else [])
-        views = list(flat.unit_views) + (list(fz.unit_views) if fz is not None else [])
-        self._views = [list(zip((p for _, p in u.params), views[i])) for i, u in enumerate(self.units)]
-        for u in self.units:
-            for name, p in u.params:
-                p._zl_name, p._zl_class = name, type(p)
+        self.units, self._full, self._views = with_twins(flat, fz)
         units = self.units
-
         self.persistent = {i for i, u in enumerate(flat.units) if u.name == "persistent"}
         self._unit_of = {id(p): i for i, u in enumerate(units) for _, p in u.params}
-        # what each unit's release in backward waits for (unit_hooks.py): a frozen twin's
-        # trainable unit (twin_of), small trainable parameters inside it (_twin_waits)
+        # what each unit's release in backward waits for (frozen.py)
         self.twin_of, self._twin_waits, self._n_params = release_waits(model, flat.policy, units, self.n_trainable,
                                                                        self.persistent)
         self._grads_left = list(self._n_params)
@@ -94,7 +77,7 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         self.debug = cfg.debug
         self._empty = torch.empty(0, dtype=self.param_shard.dtype, device=self.param_shard.device)
         self._gathered, self._inflight, self._ahead, self._keep = set(), {}, set(), set()
-        self._tracing = False
+        self._tracing = False    # recording the unit order (prefetch.py)
         self.live_elements = 0   # elements of gathered or in-flight units (not persistent)
         for i in range(len(units)):
             if i not in self.persistent:
@@ -112,7 +95,7 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         for module, deps, root, index in unit_hooks(model, units, flat.policy, self._unit_of, self.persistent):
             self._module_hooks += self._hook(module, deps, root=root, index=index)
 
-    # ---------------------------------------------------------------- gather, release, prefetch
+    # ---------------------------------------------------------------- gather, release
     def gather_params(self, units) -> None:
         """Make ``units`` whole: issue their all-gathers (unless prefetched), then wait for them."""
         for i in units:
@@ -121,12 +104,6 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         for i in units:
             if i in self._inflight:
                 self._complete(i)
-
-    def shard_of(self, i: int) -> torch.Tensor:
-        """This rank's shard of unit ``i`` (a trainable unit or a frozen twin): (S,)."""
-        if i < self.n_trainable:
-            return self.flat.shard_view(self.param_shard, self.units[i])
-        return self.frozen_flat.shard_view(self.frozen_shard, self.units[i])
 
     def _issue(self, i: int) -> None:
         u, buf = self.units[i], self._full[i]
@@ -166,48 +143,6 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         self.live_elements -= self.units[i].padded
         self.event(ev.RELEASE, i)
 
-    def prefetch(self) -> None:
-        """All-gather the next units of the recorded order asynchronously, greedily and in
-        order, while the elements gathered ahead stay within ``stage3_prefetch_bucket_size``
-        and all gathered elements within ``stage3_max_live_parameters``. A gathered unit whose
-        next use is inside that window is kept until then (as DeepSpeed does): released and
-        gathered again, its all-gather would queue behind the ones issued here."""
-        if not self.prefetch_elements:
-            return
-        ahead = sum(self.units[i].padded for i in self._ahead)
-        for i in self.trace.upcoming():
-            if i in self._ahead:
-                continue                      # prefetched already, counted in ahead
-            n = self.units[i].padded
-            if ahead + n > self.prefetch_elements:
-                break
-            if i in self._gathered:           # in use now (or kept): keep it for this next use
-                self._keep.add(i)
-            elif self.live_elements + n > self.max_live:
-                break
-            else:
-                self._issue(i)
-                self._ahead.add(i)
-            ahead += n
-
-    def _done_with(self, i: int) -> None:
-        """After a use: keep the unit if prefetch saw its next use, or if that use is within
-        ``stage3_max_reuse_distance`` elements (and the gathered units fit); else release it."""
-        if i in self._keep:
-            return
-        if self.trace.reuse_distance(i) >= self.max_reuse or self.live_elements > self.max_live:
-            self.release_params(i)
-
-    def _use(self, units) -> None:
-        if self._tracing:
-            for i in units:
-                self.trace.use(i)
-                self._ahead.discard(i)
-                self._keep.discard(i)
-        self.gather_params(units)
-        if self._tracing:
-            self.prefetch()
-
     def release_all(self) -> None:
         """Release every gathered unit (not the persistent one)."""
         for i in list(self._inflight) + list(self._gathered):
@@ -230,11 +165,7 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
                     self._grads_left = list(self._n_params)
             self._use(units)
             if frozen and torch.is_grad_enabled():   # frozen twins: released once the inputs have gradients
-                inputs = [t for t in tensors_of([args, kwargs]) if t.requires_grad]
-                if inputs:
-                    for j in frozen:
-                        self._grads_left[j] += 1
-                    torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g: self._frozen_done(frozen))
+                self.watch_inputs(frozen, args, kwargs)
             self.event(ev.FORWARD_START if root else ev.UNIT_FWD_START, index)   # compute starts now
 
         def post_forward(_, args, output):
@@ -261,31 +192,16 @@ class Stage3Engine(GatheredMixin, Stage2Engine):
         super().keep_grad(p)
         i = self._unit_of[id(p)]
         self._grads_left[i] -= 1
-        if id(p) in self._twin_waits:
-            self._frozen_done([self._twin_waits[id(p)]])
+        self.twin_grad_in(p, i)
         if self._grads_left[i] == 0 and i not in self.persistent:
             self.event(ev.UNIT_BWD_END, i)
             self.release_params(i)
-            if i in self.twin_of:
-                self._frozen_done([self.twin_of[i]])
-
-    def _frozen_done(self, frozen) -> None:
-        """One thing a frozen twin's release waited for is done (its unit's inputs have their
-        gradients, or its trainable unit all of its own); after the last one it is released."""
-        for j in frozen:
-            self._grads_left[j] -= 1
-            if self._grads_left[j] == 0:
-                self.release_params(j)
+            self.unit_grads_done(i)
 
     def _end_of_backward(self) -> None:
         super()._end_of_backward()
         self.release_all()
-        if self._tracing and self.trace.finish():
-            warnings.warn(f"zerolab ZeRO-3: the order units ran in changed ({self.trace.mismatch}); "
-                          f"prefetch stopped at the change and the new order was recorded for the next "
-                          f"step (results are unaffected; every rank must still run the same units)",
-                          stacklevel=2)
-        self._tracing = False
+        self.finish_trace()
 
     gathers_params = False  # stage 1-2's all-gather after the step is what stage 3 drops
 

@@ -2,6 +2,7 @@
 
     ZeRO-Offload (optimizer state and step on the CPU, in RAM or on NVMe):
         Stage1OffloadEngine, Stage2OffloadEngine, Stage3OffloadEngine      = OffloadMixin + stage
+                                            (stages 2-3: + WholeBucketStaging, a bucket to the host at once)
     ZeRO-Infinity's parameter offload (stage 3's parameter shard in RAM or on NVMe):
         Stage3ParamOffloadEngine                                          = ParamOffloadMixin + stage 3
         Stage3FullOffloadEngine        (both)                             = OffloadMixin + ParamOffloadMixin + stage 3
@@ -16,17 +17,18 @@ from zerolab.engine.offload.params import ParamOffloadMixin
 from zerolab.engine.stage1 import Stage1Engine
 from zerolab.engine.stage2 import Stage2Engine
 from zerolab.engine.stage3 import Stage3Engine
+from zerolab.engine.whole_buckets import WholeBucketStaging
 
 
 class Stage1OffloadEngine(OffloadMixin, Stage1Engine):
     """ZeRO-1 with the optimizer shard's state and step on the CPU (RAM or NVMe)."""
 
 
-class Stage2OffloadEngine(OffloadMixin, Stage2Engine):
+class Stage2OffloadEngine(OffloadMixin, WholeBucketStaging, Stage2Engine):
     """ZeRO-2 with the optimizer shard's state and step on the CPU: ZeRO-Offload's setting."""
 
 
-class Stage3OffloadEngine(OffloadMixin, Stage3Engine):
+class Stage3OffloadEngine(OffloadMixin, WholeBucketStaging, Stage3Engine):
     """ZeRO-3 with the optimizer shard's state and step on the CPU."""
 
 
@@ -34,7 +36,7 @@ class Stage3ParamOffloadEngine(ParamOffloadMixin, Stage3Engine):
     """ZeRO-3 with the parameter shard in host RAM or on NVMe; the optimizer stays on the device."""
 
 
-class Stage3FullOffloadEngine(OffloadMixin, ParamOffloadMixin, Stage3Engine):
+class Stage3FullOffloadEngine(OffloadMixin, ParamOffloadMixin, WholeBucketStaging, Stage3Engine):
     """ZeRO-Infinity: parameter shard and optimizer state both off the device."""
 
 

@@ -28,8 +28,8 @@ from zerolab.runtime.measure import storage_bytes
 
 
 class OffloadMixin:
-    """Put in front of a stage engine class: the optimizer becomes an ``OffloadOptimizer``."""
-    stages_buckets_whole = True   # stage 2-3: a bucket's reduced shard leaves for the host in one piece
+    """Put in front of a stage engine class: the optimizer becomes an ``OffloadOptimizer``. At stages 2-3
+    a bucket's reduced shard leaves for the host in one piece: the class also takes ``WholeBucketStaging``."""
 
     def build_optimizer(self) -> None:
         z = self.config.zero
@@ -66,7 +66,7 @@ class OffloadMixin:
     def reduce_scatter_grads(self, i: int) -> None:
         """Reduce-scatter bucket ``i`` into a device temporary; its shard then leaves for the host."""
         b, first = self.buckets[i], self._first_micro_step()
-        if self.stage >= 2:      # stage 2's rank-major staging buffer, freed with the collective
+        if self.stage >= 2:      # the bucket's rank-major staging buffer (whole_buckets.py), freed with the collective
             inp, self._staging[i] = self._staging_buffer(i), None
         else:                    # stage 1: the accumulated full gradients, packed rank-major
             inp = rank_major([self.flat.unit_view(self.grads, u) for u in b], self.world_size)

@@ -38,6 +38,7 @@ from contextlib import contextmanager
 import torch
 
 from zerolab.engine import events as ev
+from zerolab.engine.whole_buckets import WholeBucketStaging
 from zerolab.engine.zeropp.quantize import pack, unpack
 from zerolab.engine.stage3 import Stage3Engine
 from zerolab.runtime.measure import storage_bytes
@@ -99,7 +100,7 @@ def deepspeed_group(shapes: list, world_size: int) -> int:
     return min(sizes) if sizes else 0
 
 
-class ZeroPPEngine(Stage3Engine):
+class ZeroPPEngine(WholeBucketStaging, Stage3Engine):
     """ZeRO-3 with qwZ, hpZ and qgZ (any combination)."""
 
     def __init__(self, model, cfg, communicator=None, **kw):
@@ -171,7 +172,7 @@ class ZeroPPEngine(Stage3Engine):
     # ---------------------------------------------------------------- gradients: qgZ
     @property
     def stages_buckets_whole(self) -> bool:
-        """qgZ's all-to-all reduces a bucket's rank-major staging in one piece (stage2.py)."""
+        """qgZ's all-to-all reduces a bucket's rank-major staging in one piece (whole_buckets.py)."""
         return self.qgz
 
     def reduce_scatter_grads(self, i: int) -> None:
