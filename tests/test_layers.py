@@ -30,7 +30,21 @@ ALLOWED = {
 }
 NO_TORCH = {"theory", "config"}
 TOP_FILES = {"__init__.py", "__main__.py", "cli.py"}
-MAX_LINES = 350
+MAX_LINES = 350   # 300 once the last long files are split
+
+# the engine's stage stack: the files at engine/ itself (docs/ARCHITECTURE.md, "The engine inside")
+ENGINE_STACK = {"__init__", "api", "base", "buckets", "collectives", "events", "flat", "frozen", "gathered", "groups",
+                "optim", "precision", "prefetch", "stage0", "stage1", "stage2", "stage3", "unit_hooks", "whole_buckets"}
+# engine part -> the parts it may import ("stack": the files above; engine/__init__ may import anything)
+ENGINE_PARTS = {
+    "stack": {"bigmodel", "checkpoint"},   # only api.py and base.py (see STACK_DOORS)
+    "bigmodel": {"stack"},
+    "checkpoint": {"stack", "bigmodel"},
+    "offload": {"stack"},
+    "zeropp": {"stack"},
+}
+STACK_DOORS = {"zerolab.engine.api", "zerolab.engine.base"}   # the stack's only imports of engine folders
+STAGE_FILES = {f"zerolab.engine.stage{k}" for k in range(4)}
 
 
 def layer_of(module: str) -> str:
@@ -39,6 +53,41 @@ def layer_of(module: str) -> str:
     if len(parts) == 1 or parts[1] in ("cli", "__main__"):
         return "top"
     return parts[1]
+
+
+def engine_part(module: str) -> str | None:
+    """``zerolab.engine.offload.nvme`` -> "offload"; ``zerolab.engine.stage2`` -> "stack"; outside the engine None."""
+    parts = module.split(".")
+    if parts[:2] != ["zerolab", "engine"]:
+        return None
+    if len(parts) == 2:
+        return "init"
+    return parts[2] if parts[2] in ENGINE_PARTS else "stack"
+
+
+def engine_violations(name: str, rel, edges: dict, modules: dict) -> list[str]:
+    """The engine's inner rules for module ``name`` (see the module docstring)."""
+    part, out = engine_part(name), []
+    parts = name.split(".")
+    if part == "stack" and len(parts) == 3 and parts[2] not in ENGINE_STACK:
+        out.append(f"{rel}: loose in engine/ (not in the stage stack {sorted(ENGINE_STACK)}): put it in one of "
+                   f"the engine's folders {sorted(k for k in ENGINE_PARTS if k != 'stack')} or add it to the stack")
+    if part in (None, "init"):
+        return out
+    for target, line in edges[name].items():
+        dst = engine_part(target)
+        if dst is None or dst == part:
+            continue
+        if dst == "init":
+            out.append(f"{rel}:{line}: imports zerolab.engine itself; import the module it needs")
+        elif dst not in ENGINE_PARTS[part]:
+            out.append(f"{rel}:{line}: engine/{part} imports {target} (engine/{dst}); it may import only "
+                       f"{sorted(ENGINE_PARTS[part])}")
+        elif part == "stack" and dst != "stack" and name not in STACK_DOORS:
+            out.append(f"{rel}:{line}: {name} imports {target}; in the stack only {sorted(STACK_DOORS)} may")
+        if name in STAGE_FILES and dst != "stack":
+            out.append(f"{rel}:{line}: stage file imports {target}: a stage file builds on the stack only")
+    return out
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -106,6 +155,7 @@ def violations(root: Path = PKG) -> list[str]:
                            f"{sorted(ALLOWED[src]) or 'nothing of zerolab outside itself'}")
         if src in NO_TORCH and name in torch_users:
             out.append(f"{rel}:{torch_users[name]}: {src} imports torch (the {src} layer is pure arithmetic)")
+        out += engine_violations(name, rel, edges, modules)
         n = len(f.read_text().splitlines())
         if n > MAX_LINES:
             out.append(f"{rel}: {n} lines (limit {MAX_LINES}): split it")
@@ -204,3 +254,18 @@ def test_planted_long_file_is_caught(copy):
 def test_planted_loose_module_is_caught(copy):
     (copy / "helpers.py").write_text('"""A loose module."""\n')
     assert any("helpers.py: not in a layer" in v for v in violations(copy))
+
+
+def test_planted_loose_engine_module_is_caught(copy):
+    (copy / "engine" / "checkpoint_extra.py").write_text('"""A loose engine module."""\n')
+    assert any("checkpoint_extra.py: loose in engine/" in v for v in violations(copy))
+
+
+def test_planted_stack_importing_an_engine_folder_is_caught(copy):
+    _append(copy / "engine" / "stage2.py", "\n\ndef _planted():\n    from zerolab.engine.offload import nvme\n")
+    assert any("stage2.py" in v and "engine/stack imports zerolab.engine.offload.nvme" in v for v in violations(copy))
+
+
+def test_planted_folder_importing_another_folder_is_caught(copy):
+    _append(copy / "engine" / "zeropp" / "quantize.py", "\nfrom zerolab.engine.offload import nvme\n")
+    assert any("engine/zeropp imports zerolab.engine.offload.nvme" in v for v in violations(copy))
