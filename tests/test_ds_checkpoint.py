@@ -1,4 +1,4 @@
-"""Reading DeepSpeed's own ZeRO checkpoints without DeepSpeed (zerolab/engine/ds_checkpoint.py, chapter 8).
+"""Reading DeepSpeed's own ZeRO checkpoints without DeepSpeed (zerolab/engine/checkpoint/ds_files.py and ds_merge.py, chapter 8).
 
 The fixtures under tests/fixtures/deepspeed/stage{1,2,3}/ (and stage{1,2,3}_world3/) were
 saved by DeepSpeed 0.19 on 2 (3) CPU ranks (tests/fixtures/make_ds_checkpoints.py);

@@ -1,4 +1,4 @@
-"""Offload's gradient path (engine/offload.py, issue 14): the reduced gradient shard leaves the
+"""Offload's gradient path (engine/offload/optimizer_mixin.py): the reduced gradient shard leaves the
 device during backward for an fp32 host shard, with and without DeepSpeed's "reduce_scatter",
 accumulated over micro-batches exactly like the on-device engines; planted faults are caught."""
 from __future__ import annotations

@@ -60,7 +60,7 @@ NO_EFFECT = (("zero_optimization.contiguous_gradients", True,
 
 # {"zerolab": {"qwz_group_size": 8000, "qgz_group_size": 0}}: elements per quantization group of
 # qwZ's weight all-gathers (DeepSpeed's quantizer targets about 8,000) and of qgZ's all-to-alls
-# (0: DeepSpeed's rule, one group per row of the bucket's smallest-row matrix, engine/zeropp.py)
+# (0: DeepSpeed's rule, one group per row of the bucket's smallest-row matrix, engine/zeropp/engine.py)
 ZEROPP_KEYS = {"qwz_group_size": 8000, "qgz_group_size": 0}
 
 

@@ -64,12 +64,12 @@ class EngineAPI:
 
     # ---------------------------------------------------------------- checkpoints (chapter 8)
     def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False) -> str:
-        """Collective: save to ``save_dir/<tag>`` (default ``global_step{N}``), atomically (engine/checkpoint.py)."""
+        """Collective: save to ``save_dir/<tag>`` (default ``global_step{N}``), atomically (checkpoint/save.py)."""
         return save_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), at any world size and stage;
-        returns ``(path, client_state)``, ``(None, None)`` if there is no checkpoint (engine/checkpoint_load.py)."""
+        returns ``(path, client_state)``, ``(None, None)`` if there is no checkpoint (checkpoint/load.py)."""
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
     def save_16bit_model(self, save_dir, filename="pytorch_model.bin", exclude_frozen_parameters=False):
@@ -78,7 +78,7 @@ class EngineAPI:
 
     def load_state_dict(self, state_dict_or_path, strict: bool = True):
         """Load a dict, a ``.pt`` or a ``.safetensors`` file (memory-mapped) into the parameters:
-        each rank copies only its own shard's elements (``engine/load.py``). Call on every rank."""
+        each rank copies only its own shard's elements (``bigmodel/load.py``). Call on every rank."""
         return load_state_dict(self, state_dict_or_path, strict)
 
     def close(self) -> None:

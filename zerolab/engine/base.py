@@ -108,7 +108,7 @@ class Engine(EngineAPI, GradientBuckets):
         self._reducing, self._reduced_unstepped, self._fired, self._in_backward = False, False, set(), False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.flat.params()]
         self.events = [] if cfg.trace else None  # timeline: (event, bucket or -1, perf_counter seconds)
-        self.checkpoint_stats = {}   # bytes and seconds of the last save/load (engine/checkpoint.py)
+        self.checkpoint_stats = {}   # bytes and seconds of the last save/load (checkpoint/save.py)
 
     def persist_threshold(self) -> int:
         """Parameters of at most this many elements stay whole on every rank (stage 3; 0 = none)."""

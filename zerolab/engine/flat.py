@@ -115,7 +115,7 @@ def released(t: torch.Tensor) -> torch.Tensor:
 class FlatParams:
     """The model's trainable parameters as views into one flat padded buffer.
 
-    ``fill=False`` (the engine): lay out and allocate only; ``engine/materialize.py``
+    ``fill=False`` (the engine): lay out and allocate only; ``bigmodel/materialize.py``
     then fills the buffer unit by unit (and builds meta-device parameters).
     ``group_of``: parameter id -> parameter group; a unit is laid out group by group.
     ``select="frozen"`` (stage 3): the frozen parameters instead, those above

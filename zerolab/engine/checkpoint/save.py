@@ -1,6 +1,6 @@
 """``engine.save_checkpoint`` / ``engine.load_checkpoint``: sharded, atomic, reshardable (chapter 8).
 
-DeepSpeed's names and, nearly, its layout (``checkpoint_io.py`` lists the
+DeepSpeed's names and, nearly, its layout (``files.py`` lists the
 files). What is saved, per rank: its slice ``[r*S, (r+1)*S)`` of every
 unit's fp32 values (the master copy, or the fp32 parameters) and optimizer
 moments, and its buffers; rank 0 adds the 16-bit module state, the
