@@ -33,7 +33,7 @@ _EXPORTS = {
     "NODES": "zerolab.theory.nodes",
     "choose_stage": "zerolab.theory.plan",
     # runtime (chapters 0, 2); `launch` itself is imported eagerly below
-    "LaunchError": "zerolab.runtime.launch",
+    "LaunchError": "zerolab.runtime.collect",
     "CommLedger": "zerolab.runtime.comm",
     "census": "zerolab.runtime.measure",
     "MemoryReport": "zerolab.runtime.measure",
