@@ -24,7 +24,7 @@ import torch
 import zerolab as zl
 from zerolab.book.models import MLP, TinyGPT, loss_fn, synthetic_batch
 from zerolab.engine.checkpoint.files import CheckpointError, optim_file
-from zerolab.runtime.launch import LaunchError
+from zerolab.runtime.collect import LaunchError
 
 CFG = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "bf16": {"enabled": True},
        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}

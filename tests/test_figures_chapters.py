@@ -7,7 +7,7 @@ import pytest
 
 import zerolab as zl
 from zerolab.book import figures_comm, figures_offload
-from zerolab.book.widgets import ring_allreduce_states
+from zerolab.book.ring import ring_allreduce_states
 from zerolab.runtime.nodes import inter_fraction
 from zerolab.theory import offload as cost
 

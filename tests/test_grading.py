@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 from zerolab.grading import exercises as ex
-from zerolab.grading import grader as grading
+from zerolab.grading.answers import graded_from_learner
 from zerolab.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,7 +83,7 @@ def test_graded_notebook_takes_only_the_answer_cells(tmp_path):
     path = tmp_path / "whatever_name.ipynb"
     ex.write(learner, path)
 
-    exercise, graded, notes = grading.graded_from_learner(path)
+    exercise, graded, notes = graded_from_learner(path)
     assert exercise == name and not notes           # found by metadata, whatever the file name
     for g, s in zip(graded.cells, sol.cells):
         if ex.ANSWER in ex.tags(s):
@@ -102,7 +102,7 @@ def test_answers_matched_by_order_when_metadata_is_lost(tmp_path):
             c.source += "\n# edited"
     path = tmp_path / f"{name}.ipynb"
     ex.write(learner, path)
-    _, graded, notes = grading.graded_from_learner(path)
+    _, graded, notes = graded_from_learner(path)
     got = [c.source for c in code_cells(graded) if ex.ANSWER in ex.tags(c)]
     assert got and all(s.endswith("# edited") for s in got) and not notes
 
@@ -113,7 +113,7 @@ def test_missing_answer_cells_fall_back_to_the_stub(tmp_path):
     learner.cells = [c for c in learner.cells if ex.ANSWER not in ex.tags(c)]
     path = tmp_path / f"{name}.ipynb"
     ex.write(learner, path)
-    _, graded, notes = grading.graded_from_learner(path)
+    _, graded, notes = graded_from_learner(path)
     assert any("no answer cells" in n for n in notes)
 
 

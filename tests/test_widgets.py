@@ -1,12 +1,12 @@
-"""Headless tests of the book's widgets (zerolab.book.widgets): moving a control changes
-the data and the figure; the ring stepper's state is the ring algorithm's."""
+"""Headless tests of the book's widgets (zerolab.book.widgets, zerolab.book.ring): moving a
+control changes the data and the figure; the ring stepper's state is the ring algorithm's."""
 import hashlib
 import random
 
 import pytest
 
 from zerolab.theory import network
-from zerolab.book.widgets import RingAllReduceStepper, ring_allreduce_states, ring_sends
+from zerolab.book.ring import RingAllReduceStepper, ring_allreduce_states, ring_sends
 
 
 def digest(png: bytes) -> str:

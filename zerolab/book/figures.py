@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from zerolab.book.plots import COLORS, STAGE_NAMES, new_axes
 from zerolab.engine.buckets import group_units
-from zerolab.theory.memory import activation_memory, estimate
+from zerolab.theory.activations import activation_memory
+from zerolab.theory.memory import estimate
 
 STATES = ("params", "grads", "optimizer")
 LANE_BYTES = {"params": 2, "grads": 2, "optimizer": 12}     # mixed-precision Adam: lane height ∝ bytes

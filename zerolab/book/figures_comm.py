@@ -1,7 +1,7 @@
 """Conceptual figures for collectives across ranks and nodes (chapter 2), drawn from zerolab's state.
 
 * ``ring_figure``: a ring all-reduce step by step — which ranks' contributions each rank
-  holds in each chunk, read from ``widgets.ring_allreduce_states`` (the stepper's own
+  holds in each chunk, read from ``ring.ring_allreduce_states`` (the stepper's own
   simulation): N−1 reduce-scatter steps, then N−1 all-gather steps.
 * ``node_ring_figure``: N ranks on nodes of K, the ring's links, and which of them cross a
   node boundary — the rule the ledger uses to split a flat collective's bytes into
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from zerolab.book.widgets import ring_allreduce_states
+from zerolab.book.ring import ring_allreduce_states
 from zerolab.runtime.nodes import inter_fraction
 
 

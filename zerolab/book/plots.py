@@ -7,7 +7,8 @@ into PNG bytes and ``show`` displays a figure with alt text: the widgets and
 chapters draw without pyplot, so no figure leaks out of a widget's output area.
 
 Used by: chapter 1 (``stage_memory_bars``, ``memory_bars``), chapter 2
-(``comm_bars``, ``bandwidth_curves``, ``ring_grid``), chapter 6 (``plot_timeline``).
+(``comm_bars``, ``bandwidth_curves``), chapter 6 (``plot_timeline``). The ring all-reduce's
+grid (chapter 2) is drawn beside its simulation, in ``zerolab.book.ring``.
 """
 from __future__ import annotations
 
@@ -224,48 +225,6 @@ def bandwidth_curves(links, n, op="all_reduce", sizes=None, ax=None, title=None)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=7)
     return ax
-
-
-def ring_grid(state, sends=(), ax=None, title=None):
-    """Chunk-by-rank grid of a ring all-reduce (``widgets.ring_allreduce_states``).
-
-    ``state[r][c]`` is the set of ranks whose contribution rank ``r`` holds in
-    chunk ``c``; a cell is shaded by how complete it is. ``sends``: the
-    ``(src, dst, chunk)`` transfers of the next step, drawn as arrows.
-    """
-    fig, ax = new_axes(ax)
-    n = len(state)
-    for r in range(n):
-        for c in range(n):
-            k = len(state[r][c])
-            ax.add_patch(_rect(c, r, k / n))
-            text = "Σ" if k == n else "+".join(str(x) for x in sorted(state[r][c]))
-            ax.text(c + 0.5, r + 0.5, text, ha="center", va="center",
-                    fontsize=11 if k == n else 8, color="white" if k > n / 2 else "black")
-    from matplotlib.patches import Rectangle
-    for src, dst, chunk in sends:
-        ax.add_patch(Rectangle((chunk + 0.06, src + 0.06), 0.88, 0.88, fill=False,
-                               edgecolor="#C44E52", linewidth=2.5))      # the chunk being sent
-        down = dst > src
-        ax.annotate("", xy=(chunk + 0.5, dst + (0.2 if down else 0.8)),
-                    xytext=(chunk + 0.5, src + (0.8 if down else 0.2)),
-                    arrowprops=dict(arrowstyle="-|>", color="#C44E52", lw=2, mutation_scale=18,
-                                    connectionstyle="arc3,rad=0.0" if down else "arc3,rad=0.45"))
-    ax.set_xlim(0, n)
-    ax.set_ylim(n, 0)
-    ax.set_xticks([c + 0.5 for c in range(n)], [str(c) for c in range(n)])
-    ax.set_yticks([r + 0.5 for r in range(n)], [f"rank {r}" for r in range(n)])
-    ax.set_xlabel("chunk (each is 1/N of the tensor's bytes)")
-    ax.set_ylabel("rank")
-    ax.set_title(title or "Ring all-reduce")
-    ax.set_aspect("equal")
-    return ax
-
-
-def _rect(x, y, frac):
-    from matplotlib.patches import Rectangle
-    from matplotlib import colormaps
-    return Rectangle((x + 0.03, y + 0.03), 0.94, 0.94, color=colormaps["Blues"](0.15 + 0.8 * frac))
 
 
 # -- chapter 6 -----------------------------------------------------------------

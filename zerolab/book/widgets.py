@@ -1,12 +1,13 @@
-"""Interactive widgets of the book: the Memory Explorer (chapter 1) and the ring
-all-reduce stepper (chapter 2).
+"""Interactive widgets of the book: the Memory Explorer (chapter 1), and ``folded``, which
+every chapter's interview answers print through.
 
-Both are built with ``ipywidgets.interactive_output``: the controls are plain
-widgets (``explorer.psi``, ``explorer.n_gpus``, ``stepper.step`` ...), and every
-change redraws a matplotlib figure that is shown as a PNG image. The state is
-also kept as data (``explorer.data``, ``stepper.state``) and the last figure as
-``.figure`` / ``.png``, so tests can set ``widget.value`` and check what changed
-without a browser. Pyplot is never used, so nothing leaks out of the output area.
+The explorer is built with ``ipywidgets.interactive_output``: the controls are plain
+widgets (``explorer.psi``, ``explorer.n_gpus`` ...), and every change redraws a
+matplotlib figure that is shown as a PNG image. The state is also kept as data
+(``explorer.data``) and the last figure as ``.figure`` / ``.png``, so tests can set
+``widget.value`` and check what changed without a browser. Pyplot is never used, so
+nothing leaks out of the output area. Chapter 2's ring all-reduce stepper is built the
+same way, beside the ring's simulation, in ``zerolab.book.ring``.
 """
 from __future__ import annotations
 
@@ -181,105 +182,6 @@ def node_of(choice: str):
 def _optimizer_options(theory):
     names = getattr(theory, "OPTIMIZERS", None)
     return list(names) if names else ["adam", "adamw", "sgd"]
-
-
-# -- chapter 2: the ring all-reduce ------------------------------------------
-
-def ring_sends(n: int, step: int) -> list[tuple[int, int, int]]:
-    """``(src, dst, chunk)`` transfers of ring all-reduce step ``step`` (0-based).
-
-    Steps 0..n-2 are the reduce-scatter (the receiver adds the chunk to its own),
-    steps n-1..2n-3 the all-gather (the receiver stores the finished chunk).
-    Every rank sends one chunk (1/n of the tensor) per step, to its right neighbour.
-    """
-    if not 0 <= step < 2 * (n - 1):
-        raise ValueError(f"step must be in [0, {2 * (n - 1)}) for n = {n}, got {step}")
-    if step < n - 1:
-        return [(r, (r + 1) % n, (r - step) % n) for r in range(n)]
-    s = step - (n - 1)
-    return [(r, (r + 1) % n, (r + 1 - s) % n) for r in range(n)]
-
-
-def ring_allreduce_states(n: int) -> list[list[list[frozenset]]]:
-    """``states[k][r][c]``: ranks whose data rank ``r`` holds in chunk ``c`` after ``k`` steps.
-
-    ``states[0]``: each rank holds only its own contribution; ``states[n-1]``: rank
-    ``r`` holds the full sum of chunk ``(r+1) % n`` (reduce-scatter done);
-    ``states[2n-2]``: every rank holds every summed chunk (all-reduce done).
-    """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    state = [[frozenset([r]) for _ in range(n)] for r in range(n)]
-    states = [state]
-    for step in range(2 * (n - 1)):
-        new = [row[:] for row in state]
-        for src, dst, c in ring_sends(n, step):
-            new[dst][c] = state[dst][c] | state[src][c] if step < n - 1 else state[src][c]
-        state = new
-        states.append(state)
-    return states
-
-
-class RingAllReduceStepper:
-    """Step through a ring all-reduce on N ranks: which chunk each rank holds and sends.
-
-    Controls: ``.n`` (ranks), ``.step`` (steps done), and Next / Back buttons.
-    ``.state`` is ``ring_allreduce_states(n)[step]``; ``.sends`` the next step's transfers.
-    """
-
-    def __init__(self, n=4, nbytes=1_000_000):
-        self.nbytes = nbytes
-        self.n = W.IntSlider(value=n, min=2, max=8, description="N (ranks)", continuous_update=False)
-        self.step = W.IntSlider(value=0, min=0, max=2 * (n - 1), description="steps done",
-                                continuous_update=False)
-        self.step.add_class("zl-step")
-        self.back = W.Button(description="◀ Back", layout=W.Layout(width="80px"))
-        self.next = W.Button(description="Next ▶", layout=W.Layout(width="80px"))
-        self.back.on_click(lambda _: setattr(self.step, "value", max(0, self.step.value - 1)))
-        self.next.on_click(lambda _: setattr(self.step, "value",
-                                              min(self.step.max, self.step.value + 1)))
-        self.n.observe(self._on_n, "value")
-        self.state, self.sends, self.figure, self.png, self.renders = None, [], None, None, 0
-        self.output = W.interactive_output(self._draw, {"n": self.n, "step": self.step})
-        self.widget = W.VBox([W.HBox([self.n, self.step, self.back, self.next]), self.output])
-
-    def _ipython_display_(self):
-        display(self.widget)
-
-    def _on_n(self, change):
-        # keep the step inside the new range before the redraw reads it
-        self.step.value = min(self.step.value, 2 * (change["new"] - 1))
-        self.step.max = 2 * (change["new"] - 1)
-
-    def bytes_sent(self, n=None, step=None) -> int:
-        """Bytes each rank has sent after ``step`` steps: one chunk (nbytes/n) per step."""
-        n = self.n.value if n is None else n
-        step = self.step.value if step is None else step
-        return step * self.nbytes // n
-
-    def _draw(self, n, step):
-        step = min(step, 2 * (n - 1))
-        self.state = ring_allreduce_states(n)[step]
-        self.sends = ring_sends(n, step) if step < 2 * (n - 1) else []
-        phase = ("reduce-scatter" if step < n - 1 else "all-gather" if step < 2 * (n - 1)
-                 else "done")
-        fig, ax = plots.new_axes(figsize=(6.5, 1.5 + 0.9 * n))
-        title = (f"Ring all-reduce, N = {n}: {step} of {2 * (n - 1)} steps done"
-                 f"\nnext: {phase}" if phase != "done" else
-                 f"Ring all-reduce, N = {n}: all {2 * (n - 1)} steps done")
-        plots.ring_grid(self.state, self.sends, ax=ax, title=title)
-        self.figure, self.png = fig, plots.figure_png(fig)
-        self.renders += 1
-        display(plots.image_bundle(self.png, plots.figure_alt(fig)), raw=True)
-        sent = self.bytes_sent(n, step)
-        print(f"Each rank has sent {step} chunk(s) = {sent:,} bytes; the whole all-reduce sends "
-              f"2(N-1)/N x {self.nbytes:,} = {2 * (n - 1) * self.nbytes // n:,} bytes per rank.")
-        if self.sends:
-            print("Next step (red): " + ", ".join(f"rank {s}->{d} chunk {c}" for s, d, c in self.sends))
-
-    def render(self):
-        self._draw(self.n.value, self.step.value)
-        return self.figure
 
 
 # -- interview answers ---------------------------------------------------------

@@ -9,7 +9,7 @@ The solution is the *pristine* notebook. Its answer cells (tag ``answer``)
 carry the stub text in ``metadata.zerolab.stub``; its check cells (tag
 ``check``, name in ``metadata.zerolab.check``) carry the expected output.
 ``stub_notebook(solution)`` derives the learner's notebook from it, and
-``zerolab.grading.grader`` builds every graded run from it plus the learner's answer
+``zerolab.grading.answers`` builds every graded run from it plus the learner's answer
 cells, so nothing the learner edits (not even exercises/NN_slug.ipynb itself,
 if they work in place) can change a check or an expected output.
 

@@ -20,7 +20,8 @@ rank order. Design choices, each measured on a 2-core machine:
   a pipe and the parent shows them, so stored outputs are deterministic.
 * Failure: the first rank that raises ends the launch within a poll interval;
   the parent kills the other ranks (blocked in a collective, they would never
-  return) and raises ``LaunchError`` naming the rank, with its traceback.
+  return) and raises ``LaunchError`` naming the rank, with its traceback
+  (waiting for the results and reporting a failure: ``runtime/collect.py``).
   Children also die with the parent (``PR_SET_PDEATHSIG``), so an interrupted
   or crashed kernel leaves no orphans.
 * Threads: each rank uses ``max(1, cores // world_size)`` intra-op threads.
@@ -36,35 +37,22 @@ works both ways.
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import sys
 import tempfile
 import time
 import warnings
 from datetime import timedelta
-from multiprocessing import connection, get_context
+from multiprocessing import get_context
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
-from zerolab.runtime.rank import child_main, log_path
+from zerolab.runtime.collect import collect
+from zerolab.runtime.rank import child_main
 
-__all__ = ["launch", "LaunchError", "cpu_count", "choose_backend"]
-
-_POLL = 0.1  # seconds between liveness checks of the children
-
-
-class LaunchError(RuntimeError):
-    """A rank failed, died or timed out. ``.rank`` names it (None for a timeout
-    of several ranks); ``.remote_traceback`` is the rank's own traceback."""
-
-    def __init__(self, message, rank=None, remote_traceback="", log=""):
-        super().__init__(message)
-        self.rank = rank
-        self.remote_traceback = remote_traceback
-        self.log = log
+__all__ = ["launch", "cpu_count", "choose_backend"]
 
 
 def cpu_count() -> int:
@@ -152,7 +140,7 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
             child_end.close()
             procs.append(p)
             conns.append(parent_end)
-        results = _collect(procs, conns, timeout, workdir)
+        results = collect(procs, conns, timeout, workdir)
     finally:
         _terminate(procs)
         for c in conns:
@@ -181,85 +169,6 @@ def _prewarm():
         pass
 
 
-def _collect(procs, conns, timeout, workdir):
-    """Wait for every rank's message; fail fast on the first error or death."""
-    n = len(procs)
-    results, warned, errors = [None] * n, [None] * n, {}
-    pending = set(range(n))
-    deadline = time.monotonic() + timeout
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            ranks = sorted(pending)
-            raise LaunchError(
-                f"timed out after {timeout:g} s: rank(s) {ranks} of {n} did not finish "
-                f"(a hang in a collective usually means the ranks disagree on what to call; "
-                f"raise `timeout` if the work is simply slow)\n" + _logs_tail(workdir, ranks),
-                rank=ranks[0] if len(ranks) == 1 else None)
-        ready = connection.wait([conns[r] for r in pending], timeout=min(_POLL, remaining))
-        for conn in ready:
-            rank = conns.index(conn)
-            try:
-                status, value, caught, when = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):  # the pipe closed without a message: the rank died
-                _raise_death(procs[rank], rank, n, workdir)
-            pending.discard(rank)
-            warned[rank] = caught
-            if status == "error":
-                errors[rank] = (when, value)
-            else:
-                results[rank] = value
-        if errors:
-            _raise_first_error(errors, conns, pending, warned, workdir, n)
-    _replay_warnings(warned)
-    return results
-
-
-def _raise_death(proc, rank, n, workdir):
-    proc.join(2.0)
-    code = proc.exitcode
-    how = f"was killed by signal {-code}" if code and code < 0 else f"exited with code {code}"
-    raise LaunchError(f"rank {rank} of {n} {how} before returning a result "
-                      f"(out of memory? os._exit? a crash in native code?)\n" + _logs_tail(workdir, [rank]),
-                      rank=rank)
-
-
-def _raise_first_error(errors, conns, pending, warned, workdir, n):
-    """Report the rank that failed *first*: its peers often fail a moment later
-    with a secondary error (a closed connection) that would hide the cause."""
-    settle = time.monotonic() + 0.2
-    while pending and time.monotonic() < settle:
-        for conn in connection.wait([conns[r] for r in pending], timeout=0.05):
-            rank = conns.index(conn)
-            try:
-                status, value, caught, when = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                continue
-            pending.discard(rank)
-            warned[rank] = caught
-            if status == "error":
-                errors[rank] = (when, value)
-    _replay_warnings(warned)
-    rank = min(errors, key=lambda r: errors[r][0])
-    others = sorted(set(errors) - {rank})
-    also = f" (rank(s) {others} failed after it)" if others else ""
-    raise LaunchError(f"rank {rank} of {n} failed{also}:\n{errors[rank][1]}", rank=rank,
-                      remote_traceback=errors[rank][1], log=_read_log(workdir, rank))
-
-
-def _replay_warnings(per_rank):
-    """Show each distinct warning once, in rank order, naming the ranks that raised it."""
-    seen = {}
-    for rank, caught in enumerate(per_rank):
-        for category, message, filename, lineno in caught or ():
-            ranks = seen.setdefault((category, message), [filename, lineno, []])[2]
-            if rank not in ranks:  # a warning raised in a loop is one warning
-                ranks.append(rank)
-    for (category, message), (filename, lineno, ranks) in seen.items():
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        warnings.warn_explicit(f"[{who}] {message}", category, filename, lineno)
-
-
 def _terminate(procs, grace: float = 2.0):
     """SIGTERM every live child, then SIGKILL what is left after ``grace`` s."""
     for p in procs:
@@ -271,23 +180,6 @@ def _terminate(procs, grace: float = 2.0):
         if p.is_alive():
             p.kill()
             p.join(1.0)
-
-
-def _read_log(workdir, rank, limit=4000):
-    try:
-        with open(log_path(workdir, rank), errors="replace") as f:
-            return f.read()[-limit:]
-    except OSError:
-        return ""
-
-
-def _logs_tail(workdir, ranks):
-    parts = []
-    for r in ranks:
-        text = _read_log(workdir, r, 2000).strip()
-        if text:
-            parts.append(f"--- rank {r} output (last lines) ---\n{text}")
-    return "\n".join(parts)
 
 
 def _run_in_torchrun(fn, args, kwargs, backend, timeout):

@@ -6,18 +6,20 @@
     theory.ring_bytes("all_reduce", 4e9, 8)       # one collective      (network)
     theory.slowdown(...)                          # offload's PCIe/NVMe time (offload)
 
-Files: ``checks`` (argument checks both models share), ``memory``, ``comm``,
+Files: ``checks`` (argument checks both models share), ``memory`` (model states: 16Ψ by
+stage, Table 1), ``activations``, ``ds_estimate`` (DeepSpeed's estimator), ``comm``,
 ``network`` (links and the ring's bytes), ``nodes`` (GPUs and NICs per node: the one
 topology model), ``published`` (the node model against published figures), ``plan``
 (``choose_stage``), ``offload``. Nothing here imports
 anything of zerolab's outside this folder.
 """
+from zerolab.theory.activations import activation_memory
 from zerolab.theory.checks import STAGES, check_psi_n
 from zerolab.theory.comm import CommOp, comm_breakdown, comm_volume, split_intra_inter, step_comm_time
-from zerolab.theory.memory import (DEVICES, GB, OPTIMIZERS, PRECISIONS, TABLE1_DP, TABLE1_MODELS, DeepSpeedEstimate,
-                                   Estimate, activation_memory, bytes_per_param, deepspeed_estimate, estimate,
-                                   gathered_working_set,
-                                   format_paper_gb, table1_text, zero_table1)
+from zerolab.theory.ds_estimate import DeepSpeedEstimate, deepspeed_estimate
+from zerolab.theory.memory import (DEVICES, GB, OPTIMIZERS, PRECISIONS, TABLE1_DP, TABLE1_MODELS, Estimate,
+                                   bytes_per_param, estimate, format_paper_gb, gathered_working_set, table1_text,
+                                   zero_table1)
 from zerolab.theory.network import LINKS, OPS, Link, get_link, ring_bytes, ring_steps
 from zerolab.theory.nodes import NODES, Node, get_node
 from zerolab.theory.offload import Hardware, offload_seconds, slowdown

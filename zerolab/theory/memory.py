@@ -40,8 +40,9 @@ stays in host RAM. ``offload_param`` (stage 3 only) moves the rank's parameter
 shard too. ``.total`` is model states only; stage 3 also needs the working set of
 gathered layers beside it (``gathered_working_set``).
 
-The communication half of the model lives in ``zerolab.theory.comm``; both are
-exported by ``zerolab.theory``.
+Beside it: ``activations`` (what the model keeps for backward, on top of ``.total``),
+``ds_estimate`` (DeepSpeed's own estimator, for comparison) and ``comm`` (the
+communication half of the model); ``zerolab.theory`` exports them all.
 """
 from __future__ import annotations
 
@@ -161,106 +162,6 @@ def gathered_working_set(largest_layer, precision="mixed") -> int:
         raise ValueError(f"largest_layer (parameters of the largest layer) must be > 0, got {largest_layer!r}")
     p, g, _ = bytes_per_param(precision)
     return (p + g) * int(largest_layer)
-
-
-# ---- activations (chapter 1: why ZeRO alone does not make a model fit) ----
-
-def activation_memory(layers, hidden, heads, seq_len, micro_batch, checkpointing=False,
-                      dtype_bytes=2, flash_attention=False) -> int:
-    """Bytes of activations a GPT-like transformer stores for backward, per rank.
-
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation"), no tensor
-    or sequence parallelism: one layer keeps sbh(34 + 5as/h) bytes in 16-bit,
-    s = seq_len, b = micro_batch, h = hidden, a = heads. Counting tensors:
-    16 sbh-sized values (QKV input, Q, K, V, projection input, two LayerNorm
-    inputs, fc1 input, GeLU input 4h, GeLU output 4h) at ``dtype_bytes`` each,
-    2 sbh-sized 1-byte dropout masks, and per head two s x s score tensors
-    (softmax output, dropout output) plus one 1-byte s x s mask:
-
-        per_layer = sbh (16 d + 2) + a s^2 b (2 d + 1)      (d = 2: 34, 5)
-
-    Full checkpointing keeps only each layer's input (d * sbh per layer) and
-    recomputes one layer at a time in backward, so its activations exist once:
-
-        checkpointing:  layers * d * sbh + per_layer
-        otherwise:      layers * per_layer
-
-    ``flash_attention=True``: a fused attention kernel (FlashAttention) never
-    stores the s x s scores; backward recomputes them from Q, K, V and keeps
-    only each row's softmax statistic (one fp32 log-sum-exp per head and
-    token), and the attention dropout mask is regenerated from the RNG state:
-
-        per_layer = sbh (16 d + 2) + 4 a s b
-
-    so the quadratic term disappears and activations grow linearly in s.
-
-    Embeddings, the final LayerNorm and the logits are left out.
-    """
-    vals = dict(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
-                micro_batch=micro_batch, dtype_bytes=dtype_bytes)
-    for name, v in vals.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    if dtype_bytes not in (1, 2, 4):
-        raise ValueError(f"dtype_bytes must be one of (1, 2, 4), got {dtype_bytes!r}")
-    if not isinstance(flash_attention, bool):
-        raise ValueError(f"flash_attention must be True or False, got {flash_attention!r}")
-    s, b, h, a, d = seq_len, micro_batch, hidden, heads, dtype_bytes
-    attention = 4 * a * s * b if flash_attention else a * s * s * b * (2 * d + 1)
-    per_layer = s * b * h * (16 * d + 2) + attention
-    if checkpointing:
-        return layers * d * s * b * h + per_layer
-    return layers * per_layer
-
-
-# ---- DeepSpeed's own estimators (chapter 1 compares them with ours) ----
-
-@dataclass(frozen=True)
-class DeepSpeedEstimate:
-    gpu: int   # bytes per GPU
-    cpu: int   # bytes per node (host RAM), including the buffer factor
-
-
-def deepspeed_estimate(psi, n_gpus, stage, largest_layer=None, gpus_per_node=None,
-                       offload_optimizer=False, offload_param=False, zero_init=True,
-                       buffer_factor=1.5) -> DeepSpeedEstimate:
-    """DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` figures (v0.19).
-
-    ZeRO-2, no offload: gpu = 2Ψ + 18Ψ/N (2 fp16 params; 18 = 2 fp16 grads +
-    4 fp32 grads + 4 fp32 master + 8 Adam moments, per its comment), cpu =
-    4Ψ·gpus_per_node·factor. ZeRO-2 + cpu offload: gpu = 2Ψ, cpu =
-    Ψ·max(4N, 16)·factor. ZeRO-3 (``largest_layer`` params needed):
-    gpu = 4·largest_layer + 18Ψ/N; + optimizer offload: 4·largest + 2Ψ/N;
-    + param offload: 4·largest. The 1.5 buffer factor scales only the CPU
-    figure, which is per node and the larger of the start-up peak (every local
-    process holds the full fp32 model on the host, 4Ψ each) and the steady state.
-    Ours differs without offload: 2Ψ + 14Ψ/N for ZeRO-2 (no separate fp32
-    gradient), 16Ψ/N for ZeRO-3 (the gathered layers are ``gathered_working_set``,
-    beside ``.total``); with offload the device figures agree (chapters 1, 7).
-    """
-    psi, n = check_psi_n(psi, n_gpus)
-    _choice("stage", stage, (2, 3))
-    gpn = n if gpus_per_node is None else gpus_per_node
-    if not isinstance(gpn, int) or gpn < 1 or n % gpn:
-        raise ValueError(f"gpus_per_node must be an integer >= 1 dividing n_gpus={n}, got {gpus_per_node!r}")
-    nodes = n // gpn
-    if stage == 2:
-        if offload_param:
-            raise ValueError("offload_param needs stage 3 (got stage=2)")
-        if offload_optimizer:
-            return DeepSpeedEstimate(2 * psi, int(psi * max(4 * n, 16) * buffer_factor))
-        return DeepSpeedEstimate(2 * psi + int(18 * psi / n), int(psi * 4 * gpn * buffer_factor))
-    if largest_layer is None or largest_layer <= 0:
-        raise ValueError(f"largest_layer (parameters of the largest layer) must be > 0 for stage 3, got {largest_layer!r}")
-    largest = 4 * int(largest_layer)
-    if offload_param and not offload_optimizer:
-        raise ValueError("DeepSpeed's estimator offloads params only together with the optimizer")
-    if offload_optimizer:
-        k, gpu = (18, largest) if offload_param else (16, largest + int(2 * psi / n))
-        per_node = k / nodes if zero_init else max(4 * gpn, k / nodes)
-        return DeepSpeedEstimate(gpu, int(psi * per_node * buffer_factor))
-    cpu = (int(largest_layer) if zero_init else psi) * 4 * gpn * buffer_factor
-    return DeepSpeedEstimate(largest + int(18 * psi / n), int(cpu))
 
 
 # ---- the ZeRO paper's Table 1 ----
