@@ -129,13 +129,33 @@ def test_unused_parameter_gets_a_zero_gradient_and_stays_put():
 
 
 def test_schedules_follow_deepspeed():
+    """lr(t): the rate of the step taken after t steps; DeepSpeed's first two steps both run at the
+    minimum (its scheduler starts at iteration -1 and the log/linear warm-up is 0 at iteration 0)."""
     w = WarmupLR(warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10)
-    assert w.lr(0) == 0.0 and w.lr(10) == 1.0 and w.lr(50) == 1.0
-    assert math.isclose(w.lr(4), math.log(5) / math.log(10))
+    assert w.lr(0) == 0.0 and w.lr(1) == 0.0 and w.lr(11) == 1.0 and w.lr(50) == 1.0
+    assert math.isclose(w.lr(5), math.log(5) / math.log(10))
     d = WarmupDecayLR(total_num_steps=20, warmup_min_lr=0.1, warmup_max_lr=1.1, warmup_num_steps=10,
                       warmup_type="linear")
-    assert math.isclose(d.lr(5), 0.6) and math.isclose(d.lr(10), 1.1) and math.isclose(d.lr(15), 0.6)
-    assert math.isclose(d.lr(20), 0.1) and math.isclose(d.lr(30), 0.1)
+    assert math.isclose(d.lr(6), 0.6) and math.isclose(d.lr(11), 1.1) and math.isclose(d.lr(16), 0.6)
+    assert math.isclose(d.lr(21), 0.1) and math.isclose(d.lr(31), 0.1)
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR"])
+@pytest.mark.parametrize("warmup_type", ["log", "linear"])
+def test_schedules_step_for_step_with_deepspeed(kind, warmup_type):
+    """The rate of every optimizer step equals what DeepSpeed's own scheduler sets before that step
+    (its engine builds the scheduler, then calls ``scheduler.step()`` after each optimizer step)."""
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    params = {"warmup_min_lr": 0.01, "warmup_max_lr": 0.5, "warmup_num_steps": 4, "warmup_type": warmup_type}
+    if kind == "WarmupDecayLR":
+        params["total_num_steps"] = 9
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    theirs, ds = [], getattr(lr_schedules, kind)(opt, **params)
+    for _ in range(12):
+        theirs.append(opt.param_groups[0]["lr"])
+        ds.step()
+    ours = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR}[kind](**params)
+    assert [ours.lr(t) for t in range(12)] == pytest.approx(theirs, abs=1e-12)
 
 
 def test_scheduler_drives_the_engine_lr():
@@ -150,7 +170,7 @@ def test_scheduler_drives_the_engine_lr():
         x, y = synthetic_batch(model, 4, step=step)
         engine.backward(loss_fn(engine(x), y))
         engine.step()
-    assert lrs == pytest.approx([0.0, 0.05, 0.1, 0.15, 0.2, 0.2])
+    assert lrs == pytest.approx([0.0, 0.0, 0.05, 0.1, 0.15, 0.2])   # DeepSpeed's: the first two at the minimum
 
 
 def test_gathered_parameters_is_a_no_op_below_stage_3():

@@ -323,8 +323,8 @@ def test_planted_groups_ignored_is_caught(monkeypatch):
     runs = ShardedOptimizer.runs
 
     def planted(self, i, a, b, lr):
-        for s, e, _, _ in runs(self, i, a, b, lr):
-            yield s, e, self.hypers[0], lr
+        for s, e, _, _, t in runs(self, i, a, b, lr):
+            yield s, e, self.hypers[0], lr, t
     want = reference(1)
     for plant in (False, True):
         if plant:

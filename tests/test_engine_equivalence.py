@@ -36,9 +36,13 @@ def micro_batch(kind, model, step, k, rank, n, gas):
 
 
 def ds_lr(sched, t):
-    """DeepSpeed WarmupDecayLR (linear warm-up), written out independently."""
+    """DeepSpeed WarmupDecayLR (linear warm-up), written out independently: optimizer step t + 1 runs at
+    the scheduler's iteration t - 1 (it starts at -1, the minimum, and steps after each optimizer step)."""
     p = sched["params"]
     warm = max(2, p["warmup_num_steps"])
+    t = t - 1
+    if t < 0:
+        return p["warmup_min_lr"]
     g = t / warm if t < warm else max(0.0, (p["total_num_steps"] - t) / max(1.0, p["total_num_steps"] - warm))
     return p["warmup_min_lr"] + (p["warmup_max_lr"] - p["warmup_min_lr"]) * g
 

@@ -40,6 +40,7 @@ from zerolab.engine.bigmodel.materialize import check_initialised, materialize
 from zerolab.engine.api import EngineAPI
 from zerolab.engine.buckets import GradientBuckets
 from zerolab.engine.optim import ShardedOptimizer, clip_coefficient, make_scheduler, sum_of_squares
+from zerolab.engine.unused import SkipUnused, param_spans
 from zerolab.engine.precision import DynamicLossScaler, cast_floats, local_overflow, precision_of
 
 
@@ -57,7 +58,7 @@ def make_communicator(link=None) -> Communicator:
     return Communicator(link=link)
 
 
-class Engine(EngineAPI, GradientBuckets):
+class Engine(EngineAPI, SkipUnused, GradientBuckets):
     """The training loop; a stage subclass defines own/build_grads/keep_grad/reduce_bucket/
     owned_grads/zero_grads/after_update/grad_bytes (see ``Stage0Engine``)."""
     stage = 0
@@ -106,6 +107,7 @@ class Engine(EngineAPI, GradientBuckets):
 
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._reducing, self._reduced_unstepped, self._fired, self._in_backward = False, False, set(), False
+        self._seen = set()   # parameters this rank saw a gradient for since the last step (unused.py)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.flat.params()]
         self.events = [] if cfg.trace else None  # timeline: (event, bucket or -1, perf_counter seconds)
         self.checkpoint_stats = {}   # bytes and seconds of the last save/load (checkpoint/save.py)
@@ -189,6 +191,7 @@ class Engine(EngineAPI, GradientBuckets):
             self.grad_arrived(p)
 
     def _end_of_backward(self) -> None:
+        self._seen |= self._fired
         if self._reducing:
             self.flush_buckets()
 
@@ -201,11 +204,16 @@ class Engine(EngineAPI, GradientBuckets):
             return
         self.event(ev.STEP_START)
         grads = self.owned_grads()
+        seen, self._seen = self._seen, set()
         if self.scaler is not None and self._overflow(grads):
             self.scaler.update(True)
             self.skipped_steps += 1
             self.zero_grads()
             return
+        math = getattr(self.optimizer, "math", self.optimizer)   # offload's optimizer keeps torch's maths in .math
+        if math.param_spans is None:
+            math.param_spans = param_spans(self.flat, self.shards_optimizer)
+        math.skip_now = self.unused_everywhere(seen)   # no gradient on any rank: not stepped (unused.py)
         scale = 1.0 / (self.world_size * (self.scaler.scale if self.scaler else 1.0))  # sum -> mean, unscale
         if self.config.gradient_clipping > 0:
             # on the device the collective runs on: under optimizer offload the gradients are on the host

@@ -99,6 +99,7 @@ class GradientBuckets:
 
     A stage supplies ``reduce_bucket(i)`` (the collective for bucket ``i``) and may
     pass a ``finish`` callback to ``track`` (what to do once the collective is done)."""
+    fire_on_local_grads = True   # a bucket fires when this rank has its gradients (stage 3: reduce_order.py)
 
     def build_buckets(self, reduce_bucket_size: int, allgather_bucket_size: int) -> None:
         units = self.flat.units
@@ -124,7 +125,7 @@ class GradientBuckets:
         """``p``'s gradient is kept: its bucket may now be complete."""
         i = self._bucket_of[id(p)]
         self._left[i] -= 1
-        if self._left[i] == 0:
+        if self._left[i] == 0 and self.fire_on_local_grads:
             self._ready[i] = True
             self.launch_ready()
 

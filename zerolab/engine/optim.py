@@ -20,11 +20,14 @@ Adam and AdamW run torch's fused kernel (``torch._fused_adam_`` / ``_fused_adamw
 CUDA) when every tensor is fp32 on one device, else the flat ops above. Same maths; the
 fused kernel orders its float operations differently, so results differ from the
 ``foreach`` torch.optim in the last bit and equal ``fused=True`` bit for bit.
-Its step counter is one transient fp32 scalar per step, not per-parameter state.
+Its step counter is one transient fp32 scalar per distinct step count.
 
-One difference from torch.optim: a parameter that got no gradient in a step
-(unused) has a zero gradient here, as in DDP, so weight decay still applies to
-it; torch.optim skips parameters whose ``.grad`` is None.
+A parameter that got no gradient on any rank in a step sits the step out, as
+torch.optim skips a parameter whose ``.grad`` is None (and DDP with
+``find_unused_parameters=True`` agrees): its moments and weight decay are left
+alone and its own step count t falls one behind (``skip_now``, ``skipped``;
+the engine decides which, ``unused.py``). A parameter used on some ranks only
+is stepped with the mean over all ranks, the others counting zero, as in DDP.
 
 Our "adam" is torch.optim.Adam (L2 weight decay, default 0). DeepSpeed's
 "Adam" is AdamW with weight decay unless ``adam_w_mode: false``; the config
@@ -99,18 +102,34 @@ class ShardedOptimizer:
             self.momentum_buf = torch.zeros(n if momentum else 0, dtype=torch.float32, device=dev)
             self.state = [self.momentum_buf]
         self.step_count = 0
+        # parameters without a gradient on any rank are not stepped, as in torch (engine/unused.py):
+        self.param_spans = None   # per target: (start, end, parameter name), set by the engine
+        self.skip_now = set()     # names to leave alone in this step
+        self.skipped = {}         # name -> steps it sat out (its own t is step_count minus that)
 
     def runs(self, i: int, a: int, b: int, lr: float):
-        """The group runs of elements [a, b) of target i: ``(start, end, hyper, lr)`` relative to a.
+        """The runs of elements [a, b) of target i: ``(start, end, hyper, lr, t)`` relative to a, one per
+        parameter group (and, once a parameter has sat out a step, per parameter: its own step count t).
         ``lr`` is the scheduled learning rate of the config's group; another group's scales with it."""
-        if self.segments is None:
-            yield 0, b - a, self.hypers[0], lr
+        groups = [(0, b - a, self.hypers[0], lr)] if self.segments is None else [
+            (max(s, a) - a, min(e, b) - a, self.hypers[k],
+             self.hypers[k].lr if lr == self.lr else lr * self.hypers[k].lr / self.lr if self.lr else lr)
+            for s, e, k in self.segments[i] if max(s, a) < min(e, b)]
+        if not (self.skip_now or self.skipped) or self.param_spans is None:
+            for g in groups:
+                yield (*g, self.step_count)
             return
-        for s, e, k in self.segments[i]:
-            s, e = max(s, a), min(e, b)
-            if s < e:
-                h = self.hypers[k]
-                yield s - a, e - a, h, (h.lr if lr == self.lr else lr * h.lr / self.lr if self.lr else lr)
+        for gs, ge, h, lr_k in groups:
+            for ps, pe, name in self.param_spans[i]:
+                s, e = max(gs, ps - a), min(ge, pe - a)
+                if s < e and name not in self.skip_now:
+                    yield s, e, h, lr_k, self.step_count - self.skipped.get(name, 0)
+
+    def begin_step(self) -> None:
+        """Count the step; parameters sitting it out keep their own count (torch's per-parameter ``step``)."""
+        self.step_count += 1
+        for name in self.skip_now:
+            self.skipped[name] = self.skipped.get(name, 0) + 1
 
     def _views(self, buf):
         out, off = [], 0
@@ -127,24 +146,24 @@ class ShardedOptimizer:
         """One update of ``self.targets`` with ``scale * grads`` (same shapes, any float dtype;
         fp32 grads are scaled in place). Unit by unit, so a temporary is one unit's size;
         ``after(i)``, if given, runs as soon as unit ``i`` is updated (stage 1 starts its all-gather)."""
-        self.step_count += 1
+        self.begin_step()
         views = [self._views(s) for s in self.state if s.numel()]
-        step_t = None   # the fused kernel reads t from a tensor: one fp32 scalar per step, transient
+        step_ts = {}   # the fused kernel reads t from a tensor: one fp32 scalar per distinct t, transient
         for i, (p, g) in enumerate(zip(self.targets, grads)):
             if g.dtype != torch.float32:
                 g = g.float()                       # fp32 copy of a 16-bit gradient: one unit, transient
             if scale != 1.0:
                 g.mul_(scale)   # pre-scaled (exact as torch's g * (1/N) * clip); grad_scale divides: last bits differ
-            for a, b, h, lr_k in self.runs(i, 0, p.numel(), lr):   # one run per parameter group
+            for a, b, h, lr_k, t in self.runs(i, 0, p.numel(), lr):   # one run per parameter group
                 pk, gk = p[a:b], g[a:b]
                 if self.kind == "sgd":
-                    self._sgd(pk, gk, views[0][i][a:b] if views else None, lr_k, h)
+                    self._sgd(pk, gk, views[0][i][a:b] if views else None, lr_k, h, t)
                 elif self.fusable(pk, gk, views[0][i]):
-                    if step_t is None:
-                        step_t = torch.full((), float(self.step_count), dtype=torch.float32, device=p.device)
-                    self.fused_adam(pk, gk, views[0][i][a:b], views[1][i][a:b], lr_k, step_t, h)
+                    if t not in step_ts:
+                        step_ts[t] = torch.full((), float(t), dtype=torch.float32, device=p.device)
+                    self.fused_adam(pk, gk, views[0][i][a:b], views[1][i][a:b], lr_k, step_ts[t], h)
                 else:
-                    self._adam(pk, gk, views[0][i][a:b], views[1][i][a:b], lr_k, h)
+                    self._adam(pk, gk, views[0][i][a:b], views[1][i][a:b], lr_k, h, t)
             if after is not None:
                 after(i)
 
@@ -160,8 +179,8 @@ class ShardedOptimizer:
         FUSED_ADAM[self.kind]([p], [g], [m], [v], [], [step_t], lr=lr, beta1=h.betas[0], beta2=h.betas[1],
                               weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
 
-    def _adam(self, p, g, m, v, lr, h=None):
-        h = h or self.hypers[0]
+    def _adam(self, p, g, m, v, lr, h=None, t=None):
+        h, t = h or self.hypers[0], t or self.step_count
         b1, b2, wd = h.betas[0], h.betas[1], h.weight_decay
         if wd and self.kind == "adamw":
             p.mul_(1 - lr * wd)
@@ -169,16 +188,15 @@ class ShardedOptimizer:
             g = g.add(p, alpha=wd)
         m.lerp_(g, 1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        t = self.step_count
         denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(h.eps)
         p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
 
-    def _sgd(self, p, g, buf, lr, h=None):
-        h = h or self.hypers[0]
+    def _sgd(self, p, g, buf, lr, h=None, t=None):
+        h, t = h or self.hypers[0], t or self.step_count
         if h.weight_decay:
             g = g.add(p, alpha=h.weight_decay)
         if buf is not None and h.momentum:
-            if self.step_count == 1:
+            if t == 1:
                 buf.copy_(g)
             else:
                 buf.mul_(h.momentum).add_(g, alpha=1 - h.dampening)
@@ -219,7 +237,11 @@ class WarmupLR:
         return 1.0
 
     def lr(self, t: int) -> float:
-        return self.min_lr + (self.max_lr - self.min_lr) * self.gamma(t)
+        """The learning rate of the optimizer step taken after ``t`` steps, as DeepSpeed's engine applies
+        it: its scheduler starts at ``last_batch_iteration`` -1 (min lr for the first step) and advances
+        after each step, so step t + 1 runs at iteration t - 1."""
+        it = t - 1
+        return self.min_lr if it < 0 else self.min_lr + (self.max_lr - self.min_lr) * self.gamma(it)
 
 
 class WarmupDecayLR(WarmupLR):

@@ -80,7 +80,7 @@ class Stage2Engine(Stage1Engine):
         """A unit whose gradients are all in is reduced now (in backward order), not with its bucket."""
         j = self._place[id(p)][0]
         self._unit_left[j] -= 1
-        if self._unit_left[j] == 0:
+        if self._unit_left[j] == 0 and self.fire_on_local_grads:
             self._unit_ready[j] = True
             self._reduce_ready_units()
         super().grad_arrived(p)

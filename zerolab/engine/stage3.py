@@ -11,7 +11,8 @@ only while its module computes:
                          prefetch()               start the next units' all-gathers (async)
     forward post-hook    release_params(unit)     params -> empty tensors, buffer storage -> 0 bytes
     backward pre-hook    gather_params(unit)      again: backward needs the weights too
-    last grad of unit    release_params(unit)     and stage 2's reduce_scatter_grads(bucket)
+    last grad of unit    release_params(unit)
+    its backward done    stage 2's reduce-scatter of the unit (``reduce_order.py``: the same moment on every rank)
     step                 update the shard in place; nothing to all-gather afterwards
 
 Per micro-step a rank sends 3·Ψ(N-1)/N elements (forward gather, backward
@@ -36,12 +37,13 @@ from zerolab.runtime.measure import storage_bytes
 from zerolab.engine.frozen import FrozenTwins, release_waits, with_twins
 from zerolab.engine.gathered import GatheredMixin, ReleasedParameter
 from zerolab.engine.prefetch import Prefetcher, UnitTrace
+from zerolab.engine.reduce_order import ReduceWhenDone
 from zerolab.engine.unit_hooks import tensors_of, unit_hooks
 from zerolab.engine.stage2 import Stage2Engine
 from zerolab.engine.flat import released
 
 
-class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, Stage2Engine):
+class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, Stage2Engine):
     stage = 3
 
     def persist_threshold(self) -> int:
@@ -164,6 +166,8 @@ class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, Stage2Engine):
                 if torch.is_grad_enabled():
                     self._grads_left = list(self._n_params)
             self._use(units)
+            if not root and index >= 0 and torch.is_grad_enabled():   # reduced when its backward is done
+                self.watch_backward(index, args, kwargs)
             if frozen and torch.is_grad_enabled():   # frozen twins: released once the inputs have gradients
                 self.watch_inputs(frozen, args, kwargs)
             self.event(ev.FORWARD_START if root else ev.UNIT_FWD_START, index)   # compute starts now

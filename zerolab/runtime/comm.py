@@ -67,6 +67,7 @@ class CommLedger:
     records: list = field(default_factory=list)
     link: object = None  # the simulated link, if any: a Link or {"intra": Link, "inter": Link}
     busy_until: dict = field(default_factory=dict)  # simulated link tier -> when its channel is idle again
+    control: list = field(default_factory=list)  # bookkeeping flags (engine/unused.py), apart from the algorithm's
 
     def _pick(self, op, scope):
         if scope not in _SCOPES:

@@ -82,6 +82,8 @@ def _load_state(engine, saved: SavedCheckpoint, with_optimizer: bool, with_sched
     engine.global_steps, engine.micro_steps = rec["global_steps"], rec["micro_steps"]
     engine.skipped_steps = rec["skipped_steps"]
     opt.step_count = rec["optimizer"]["step_count"] if with_optimizer else 0
+    # steps each parameter sat out (no gradient on any rank, engine/unused.py): its own Adam t
+    getattr(opt, "math", opt).skipped = dict(rec["optimizer"].get("skipped", {})) if with_optimizer else {}
     if engine.scaler is not None and with_optimizer and rec["loss_scaler"] is not None:
         engine.scaler.load_state_dict(rec["loss_scaler"])
     if engine.scheduler is not None:

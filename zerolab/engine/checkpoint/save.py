@@ -90,7 +90,8 @@ def engine_record(engine) -> dict:
             "compute_dtype": str(engine.precision.compute_dtype).replace("torch.", ""),
             "gradient_accumulation_steps": engine.gas, "global_steps": engine.global_steps,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-            "optimizer": {"type": opt.kind, "step_count": opt.step_count},
+            "optimizer": {"type": opt.kind, "step_count": opt.step_count,
+                          "skipped": dict(getattr(opt, "math", opt).skipped)},   # steps a parameter sat out
             "offload_optimizer": engine.config.zero.offload_optimizer.device,
             "scheduler": None if sched is None else {"type": type(getattr(sched, "schedule", sched)).__name__,
                                                      "position": schedule_position(engine)},

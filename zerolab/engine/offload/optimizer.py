@@ -121,8 +121,9 @@ class OffloadOptimizer:
     @torch.no_grad()
     def step(self, grads, lr: float, scale: float = 1.0) -> None:
         """One update with ``scale * grads``; the updated parameters are written to ``targets``."""
-        self.step_count += 1
-        self.math.step_count = self.step_count
+        self.math.step_count = self.step_count   # (a loaded checkpoint sets step_count here)
+        self.math.begin_step()                   # parameters without a gradient anywhere keep their own t
+        self.step_count = self.math.step_count
         order = list(range(len(self.pieces)))
         pending = self._fetch(0, grads, 0) if order else None
         try:
@@ -138,8 +139,8 @@ class OffloadOptimizer:
                 views = list(chunk.view(self.slots, b - a))   # [master,] m, v: (piece,) each
                 if self.has_master:
                     p, views = views[0], views[1:]
-                for s, e, h, lr_k in self.math.runs(i, a, b, lr):   # one run per parameter group
-                    self._update(p[s:e], g[s:e], [v[s:e] for v in views], lr_k, h)
+                for s, e, h, lr_k, t in self.math.runs(i, a, b, lr):   # one run per group (and parameter)
+                    self._update(p[s:e], g[s:e], [v[s:e] for v in views], lr_k, h, t)
                 if not self.params_in_place:
                     self.targets[i][a:b].copy_(p)     # host -> device: the updated piece (cast to compute dtype)
         except OSError as e:   # raised after the ranks agree (OffloadMixin.after_update): none is left waiting
@@ -157,17 +158,17 @@ class OffloadOptimizer:
                                              f"their new state ({held / 1e6:.1f} MB) is held in RAM and written at "
                                              f"the next step; training state is intact. Free disk space")
 
-    def _update(self, p, g, moments, lr, h):
+    def _update(self, p, g, moments, lr, h, t):
         m = self.math
         fused = FUSED_ADAM.get(self.kind)
         if fused is not None:
-            step = torch.tensor(float(self.step_count))
+            step = torch.tensor(float(t))
             fused([p], [g], [moments[0]], [moments[1]], [], [step], lr=lr, beta1=h.betas[0], beta2=h.betas[1],
                   weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
         elif self.kind == "sgd":
-            m._sgd(p, g, moments[0] if moments else None, lr, h)
+            m._sgd(p, g, moments[0] if moments else None, lr, h, t)
         else:
-            m._adam(p, g, moments[0], moments[1], lr, h)
+            m._adam(p, g, moments[0], moments[1], lr, h, t)
 
     def edit_master(self, i: int, changed: torch.Tensor, new: torch.Tensor) -> None:
         """Parameters edited outside training (``gathered_parameters(modifier_rank=...)``): the
