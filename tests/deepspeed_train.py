@@ -40,8 +40,11 @@ def dataset(n: int = N_SAMPLES) -> TensorDataset:
     return TensorDataset(torch.arange(n), x, torch.sin(x[:, :2]) + 0.1 * torch.randn(n, 2, generator=g))
 
 
-def train(deepspeed, argv=(), epochs: int = 2, client_optimizer: bool = False, set_epoch: bool = True) -> dict:
-    """The script: arguments, init_distributed, initialize with training_data, the loop, a gathered read."""
+def train(deepspeed, argv=(), epochs: int = 2, client_optimizer: bool = False, zero_init: bool = False,
+          set_epoch: bool = True) -> dict:
+    """The script: arguments, init_distributed, initialize with training_data, the loop, a gathered read.
+    ``client_optimizer``: a torch.optim.AdamW object instead of the config's optimizer; ``zero_init``:
+    build the model under ``zero.Init`` and load its weights inside ``GatheredParameters``."""
     parser = argparse.ArgumentParser(description="tiny regression")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
     parser = deepspeed.add_config_arguments(parser)
@@ -51,6 +54,14 @@ def train(deepspeed, argv=(), epochs: int = 2, client_optimizer: bool = False, s
     torch.manual_seed(0)
     model = Net()
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if zero_init:   # partitioned construction, then rank 0 writes the weights; leaving the block spreads them
+        with deepspeed.zero.Init(config_dict_or_path=args.deepspeed_config):
+            model = Net()
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            if deepspeed.comm.get_rank() == 0:
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(initial[n])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01) if client_optimizer else None
     engine, optimizer, loader, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                                         model_parameters=model.parameters(),
@@ -82,12 +93,13 @@ def main(argv):
     runner.add_argument("--lib", default="zerolab.deepspeed")
     runner.add_argument("--out", required=True)
     runner.add_argument("--client_optimizer", action="store_true")
+    runner.add_argument("--zero_init", action="store_true")
     ours, rest = runner.parse_known_args(argv)
     deepspeed = importlib.import_module(ours.lib)
     if ours.lib == "deepspeed":   # skip a ~90 s JIT build of a shared-memory op used only for inference
         importlib.import_module("deepspeed.comm.torch")   # `import deepspeed.comm.torch as m` binds the real torch
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *a, **k: None
-    result = train(deepspeed, rest, client_optimizer=ours.client_optimizer)
+    result = train(deepspeed, rest, client_optimizer=ours.client_optimizer, zero_init=ours.zero_init)
     torch.save(result, f"{ours.out}.rank{result['rank']}")
 
 

@@ -23,7 +23,7 @@ from zerolab.deepspeed import comm
 from zerolab.deepspeed.client import read_client_optimizer, refuse_client_scheduler
 from zerolab.deepspeed.data import DeepSpeedDataLoader
 from zerolab.deepspeed.engine import DeepSpeedEngine
-from zerolab.deepspeed.zero import register
+from zerolab.deepspeed.zero import apply_pending_edits, register
 from zerolab.engine import initialize as zl_initialize
 
 # DeepSpeed config keys this front door implements itself (the engine's config reader does not know them)
@@ -93,6 +93,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     engine = zl_initialize(model, raw, model_parameters=_groups(model, model_parameters))
     register(engine)
+    apply_pending_edits(engine)   # GatheredParameters(..., modifier_rank=r) edits made under zero.Init
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args is not None and hasattr(args, "local_rank"):
         args.local_rank = local_rank   # DeepSpeed aligns args.local_rank with the launcher's LOCAL_RANK

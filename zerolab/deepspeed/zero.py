@@ -14,6 +14,16 @@ inside ``GatheredParameters(..., modifier_rank=0)`` after ``initialize``; and
 the initial values come from the random stream at ``initialize``, not at
 construction.
 
+The DeepSpeed pattern of editing weights between construction and
+``initialize`` (``with GatheredParameters(model.fc.weight, modifier_rank=0):``
+right after ``zero.Init``) works: inside the block the meta parameters get
+real, full storage on every rank (as DeepSpeed gathers them), and on leaving
+it rank ``modifier_rank``'s values are kept aside (without ``modifier_rank``
+the edits are dropped, as DeepSpeed drops them); ``initialize`` then writes
+them into the shards through ``zl.gathered_parameters(..., modifier_rank)``.
+Until then that rank holds those full tensors: edit a few parameters this way,
+not a whole large model.
+
 ``GatheredParameters(params, modifier_rank=None)`` is ``zl.gathered_parameters``
 on the engine that owns ``params``: at stage 3 the units holding them are
 all-gathered for the block (collective: every rank enters) and, with
@@ -26,10 +36,16 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from zerolab.engine import gathered_parameters
 
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()   # zerolab engines built by deepspeed.initialize
+# id(meta parameter) -> (the parameter, modifier rank, its values on that rank / None elsewhere): edits
+# made before initialize, written into the shards by apply_pending_edits (a weak reference would stop
+# torch.utils.swap_tensors, which materialising the model uses)
+_PENDING: dict = {}
 
 
 def register(engine) -> None:
@@ -43,6 +59,26 @@ def engine_of(params):
         if any(id(p) in ids for p in engine.module.parameters()):
             return engine
     return None
+
+
+def apply_pending_edits(engine) -> None:
+    """Collective (inside ``deepspeed.initialize``): write the edits made to the model's meta
+    parameters before ``initialize`` into the engine, one gathered block per modifier rank."""
+    by_rank: dict = {}
+    for p in engine.module.parameters():
+        entry = _PENDING.pop(id(p), None)
+        if entry is not None and entry[0] is p:
+            by_rank.setdefault(entry[1], []).append((p, entry[2]))
+    for r in sorted(by_rank):
+        params = [p for p, _ in by_rank[r]]
+        with gathered_parameters(engine, params, modifier_rank=r), torch.no_grad():
+            if engine.rank == r:
+                for p, value in by_rank[r]:
+                    p.copy_(value)
+
+
+def _swap(p, value) -> None:
+    torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
 
 
 class Init:
@@ -96,23 +132,32 @@ class GatheredParameters:
         if isinstance(params, torch.Tensor):
             params = [params]
         self.params = [p for p in (params or []) if p is not None]
-        self.modifier_rank, self.enabled, self._cm = modifier_rank, enabled, None
+        self.modifier_rank, self.enabled, self._cm, self._meta = modifier_rank, enabled, None, []
 
     def __enter__(self):
         if not self.enabled or not self.params:
             return None
         engine = engine_of(self.params)
-        if engine is None:
-            meta = [tuple(p.shape) for p in self.params if p.is_meta]
-            if meta:
-                raise RuntimeError(f"GatheredParameters: {len(meta)} parameter(s) are on the meta device (built "
-                                   f"under zerolab's zero.Init) and have no values until deepspeed.initialize "
-                                   f"materialises them; edit them after initialize, inside this block")
-            return None   # not partitioned by any engine: nothing to gather, as DeepSpeed
+        if engine is None:   # before initialize: meta parameters (zero.Init) get full storage for the block
+            self._meta = [p for p in self.params if p.is_meta]
+            for p in self._meta:
+                pending = _PENDING.get(id(p))
+                value = pending[2] if pending is not None and pending[2] is not None else None
+                _swap(p, value.clone() if value is not None else torch.zeros(p.shape, dtype=p.dtype))
+            return None   # parameters no engine partitions are left alone, as DeepSpeed
         self._cm = gathered_parameters(engine, self.params, self.modifier_rank)
         return self._cm.__enter__()
 
     def __exit__(self, *exc):
+        meta, self._meta = getattr(self, "_meta", []), []
+        if meta:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            for p in meta:
+                if self.modifier_rank is not None and exc[0] is None:
+                    value = p.detach().clone() if rank == self.modifier_rank else None
+                    _PENDING[id(p)] = (p, self.modifier_rank, value)
+                _swap(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+            return False
         if self._cm is None:
             return False
         cm, self._cm = self._cm, None

@@ -1,0 +1,173 @@
+"""``zerolab.deepspeed`` (issue 26): a DeepSpeed training script runs unchanged on zerolab.
+
+The script is ``tests/deepspeed_train.py``'s ``train(deepspeed, argv)``: it
+uses only ``deepspeed.*`` names. On 2 gloo ranks under ``zl.launch`` it must
+
+* see DeepSpeed's batches: its ``DistributedSampler`` (shuffle, seed 0,
+  padding, the script's ``set_epoch``), micro-batches of
+  ``train_micro_batch_size_per_gpu`` -- checked against the order computed
+  here from those rules, independently of the sampler;
+* end at the parameters of single-process training (plain ``torch.optim.AdamW``
+  over the union of the ranks' micro-batches, clipping at 1.0).
+
+Where DeepSpeed imports, the same script runs under DeepSpeed 0.19 on CPU
+(``torchrun``, ``DS_ACCELERATOR=cpu``, gloo) and both must agree on every
+batch and, within 1e-5, every parameter. Unsupported arguments raise errors
+naming the problem.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+import zerolab as zl
+import zerolab.deepspeed as zds
+import deepspeed_train as script
+
+TESTS = Path(__file__).resolve().parent
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+LR, WD, CLIP, MICRO, GAS, WORLD, EPOCHS = 0.02, 0.01, 1.0, 4, 2, 2, 2
+
+
+def ds_config(stage: int, optimizer: bool = True) -> dict:
+    """Every default where DeepSpeed's differ from zerolab's is set: clipping, weight decay."""
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
+           "zero_optimization": {"stage": stage}}
+    if optimizer:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
+    return cfg
+
+
+def write(tmp_path, cfg) -> str:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _zerolab_rank(argv, kwargs):
+    import zerolab.deepspeed as deepspeed   # the one line a DeepSpeed user changes
+    return script.train(deepspeed, argv, **kwargs)
+
+
+def run_zerolab(cfg_path, **kwargs) -> list[dict]:
+    return zl.launch(_zerolab_rank, world_size=WORLD, args=(["--deepspeed_config", cfg_path], kwargs), timeout=180)
+
+
+def expected_batches(rank: int, n: int = script.N_SAMPLES) -> list[list[int]]:
+    """DeepSpeed's order from its rules: per epoch a permutation seeded 0 + epoch (the script calls
+    set_epoch), padded to a multiple of the world, every WORLD-th index from ``rank``, cut in MICRO."""
+    out = []
+    for epoch in range(EPOCHS):
+        g = torch.Generator()
+        g.manual_seed(epoch)
+        order = torch.randperm(n, generator=g).tolist()
+        total = math.ceil(n / WORLD) * WORLD
+        mine = (order + order[: total - n])[rank:total:WORLD]
+        out += [mine[i: i + MICRO] for i in range(0, len(mine), MICRO)]
+    return out
+
+
+def reference(batches: list[list[list[int]]]) -> dict:
+    """Single-process training over the same micro-batches: each step averages every rank's
+    GAS micro-batch losses, clips the global norm, then torch.optim.AdamW."""
+    torch.manual_seed(0)
+    model = script.Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    _, x, y = script.dataset().tensors
+    for step in range(len(batches[0]) // GAS):
+        opt.zero_grad()
+        for m in range(step * GAS, step * GAS + GAS):
+            for rank_batches in batches:
+                idx = torch.tensor(rank_batches[m])
+                (F.mse_loss(model(x[idx]), y[idx]) / (GAS * len(batches))).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def assert_params_close(got: dict, want: dict, atol: float = 1e-5):
+    assert got.keys() == want.keys()
+    worst = max((got[n] - want[n]).abs().max().item() for n in want)
+    assert worst <= atol, f"parameters differ by up to {worst:.3g} (tolerance {atol:g})"
+
+
+def check_like_one_process(results):
+    for r, res in enumerate(results):
+        assert res["rank"] == r and res["world_size"] == WORLD and res["local_rank"] == r == res["args_local_rank"]
+        assert res["batches"] == expected_batches(r), f"rank {r} did not see DeepSpeed's batches"
+        assert res["global_steps"] == len(res["batches"]) // GAS and res["global_samples"] == res["global_steps"] * 16
+        assert res["lr"] == [LR] and res["micro"] == MICRO and res["gas"] == GAS
+        assert res["workers"] == 0   # a zl.launch rank is daemonic: no loader worker processes
+    assert_params_close(results[0]["final"], results[1]["final"], atol=0)   # every rank holds the same model
+    assert_params_close(results[0]["final"], reference([res["batches"] for res in results]))
+
+
+# ---------------------------------------------------------------- zerolab alone (always runs)
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, kwargs", [(0, {}), (1, {}), (2, {"client_optimizer": True}), (3, {"zero_init": True})],
+                         ids=["stage0", "stage1", "stage2-client-optimizer", "stage3-zero-init"])
+def test_script_runs_unchanged_and_trains_like_one_process(tmp_path, stage, kwargs):
+    cfg = ds_config(stage, optimizer=not kwargs.get("client_optimizer"))
+    results = run_zerolab(write(tmp_path, cfg), **kwargs)
+    assert results[0]["stage"] == stage
+    check_like_one_process(results)
+
+
+@pytest.mark.slow
+def test_planted_sampler_without_the_seed_is_caught(tmp_path, monkeypatch):
+    # the bug this file guards against: a loader whose order is not DeepSpeed's (seed 1, not 0)
+    monkeypatch.setattr("zerolab.deepspeed.data.DistributedSampler", functools.partial(DistributedSampler, seed=1))
+    results = run_zerolab(write(tmp_path, ds_config(2)))
+    with pytest.raises(AssertionError, match="did not see DeepSpeed's batches"):
+        check_like_one_process(results)
+
+
+# ---------------------------------------------------------------- the same script under DeepSpeed itself
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_deepspeed(cfg_path, tmp_path, *flags) -> list[dict]:
+    """``torchrun --nproc-per-node 2 deepspeed_train.py --lib deepspeed``: a launcher's ranks are not
+    daemonic, so DeepSpeed's loader can start its worker processes."""
+    out = tmp_path / "ds_result"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+           "--master-port", str(_free_port()), str(TESTS / "deepspeed_train.py"), "--lib", "deepspeed",
+           "--out", str(out), *flags, "--deepspeed_config", cfg_path]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("stage, flags", [(2, ("--client_optimizer",)), (3, ("--zero_init",))],
+                         ids=["stage2-client-optimizer", "stage3-zero-init"])
+def test_same_script_under_deepspeed_gives_the_same_batches_and_parameters(tmp_path, stage, flags):
+    cfg = write(tmp_path, ds_config(stage, optimizer="--client_optimizer" not in flags))
+    theirs = run_deepspeed(cfg, tmp_path, *flags)
+    ours = run_zerolab(cfg, **{f.lstrip("-"): True for f in flags})
+    for r in range(WORLD):
+        assert ours[r]["batches"] == theirs[r]["batches"], f"rank {r}: the two loaders' batches differ"
+        for key in ("global_steps", "global_samples", "lr", "stage", "micro", "gas", "boundary", "local_rank",
+                    "args_local_rank", "device", "loader_len"):
+            assert ours[r][key] == theirs[r][key], key
+        assert theirs[r]["workers"] == 2 and ours[r]["workers"] == 0   # the one documented difference
+        assert_params_close(ours[r]["initial"], theirs[r]["initial"], atol=0)
+        assert_params_close(ours[r]["final"], theirs[r]["final"])
+        assert max(abs(a - b) for a, b in zip(ours[r]["losses"], theirs[r]["losses"])) < 1e-5
