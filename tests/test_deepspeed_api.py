@@ -171,3 +171,139 @@ def test_same_script_under_deepspeed_gives_the_same_batches_and_parameters(tmp_p
         assert_params_close(ours[r]["initial"], theirs[r]["initial"], atol=0)
         assert_params_close(ours[r]["final"], theirs[r]["final"])
         assert max(abs(a - b) for a, b in zip(ours[r]["losses"], theirs[r]["losses"])) < 1e-5
+
+
+# ---------------------------------------------------------------- refusals name the problem (no process group needed)
+def _model():
+    torch.manual_seed(0)
+    return script.Net()
+
+
+@pytest.mark.parametrize("make_kwargs, error, match", [
+    (lambda m: {"mpu": object()}, NotImplementedError, r"mpu=.*zerolab\.parallel"),
+    (lambda m: {"mesh_param": (2, 1)}, NotImplementedError, "mesh_param"),
+    (lambda m: {"optimizer": torch.optim.RMSprop(m.parameters())}, NotImplementedError,
+     r"optimizer=<torch\.optim\.rmsprop\.RMSprop>.*cannot shard"),
+    (lambda m: {"optimizer": lambda params: torch.optim.Adagrad(params)}, NotImplementedError, "Adagrad"),
+    (lambda m: {"optimizer": torch.optim.Adam(m.parameters(), amsgrad=True)}, NotImplementedError, "amsgrad"),
+    (lambda m: {"lr_scheduler": torch.optim.lr_scheduler.StepLR(torch.optim.SGD(m.parameters(), lr=0.1), 1)},
+     NotImplementedError, r"lr_scheduler=<StepLR>.*\"scheduler\""),
+    (lambda m: {"config": None}, ValueError, "no config"),
+    (lambda m: {"args": type("Args", (), {"deepspeed_config": "ds.json"})()}, ValueError, "both in args"),
+    (lambda m: {"model": None}, ValueError, "requires a model"),
+], ids=["mpu", "mesh", "rmsprop", "callable-adagrad", "amsgrad", "client-scheduler", "no-config", "two-configs",
+        "no-model"])
+def test_unsupported_arguments_are_refused_by_name(make_kwargs, error, match):
+    model = _model()
+    kwargs = {"model": model, "config": ds_config(2, optimizer=False), **make_kwargs(model)}
+    with pytest.raises(error, match=match):
+        zds.initialize(**kwargs)
+    assert not torch.distributed.is_initialized()   # refused before any process group was started
+
+
+def test_a_used_client_optimizer_is_refused():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="already taken steps"):
+        zds.initialize(model=model, optimizer=opt, config=ds_config(2, optimizer=False))
+
+
+def test_client_optimizer_groups_become_the_config_and_model_parameters():
+    from zerolab.deepspeed.client import read_client_optimizer
+    model = _model()
+    opt = torch.optim.Adam([{"params": model.fc1.parameters(), "weight_decay": 0.1},
+                            {"params": model.fc2.parameters(), "lr": 0.5}], lr=0.01, betas=(0.8, 0.9))
+    section, groups = read_client_optimizer(opt, None, model)
+    assert section == {"type": "Adam", "params": {"lr": 0.01, "betas": [0.8, 0.9], "eps": 1e-8, "weight_decay": 0,
+                                                  "adam_w_mode": False}}
+    assert [{k: v for k, v in g.items() if k != "params"} for g in groups] == [{"weight_decay": 0.1}, {"lr": 0.5}]
+    assert groups[1]["params"] == list(model.fc2.parameters())
+
+
+def test_zero_init_builds_on_the_meta_device_and_refuses_what_it_cannot_do():
+    with zds.zero.Init(config_dict_or_path=ds_config(3)):
+        model = script.Net()
+    assert all(p.is_meta for p in model.parameters())
+    with zds.zero.Init(enabled=False):
+        assert not script.Net().fc1.weight.is_meta
+    for kwargs, match in (({"module": model}, "module="), ({"mpu": object()}, "mpu"),
+                          ({"remote_device": "cpu"}, "offload_param")):
+        with pytest.raises(NotImplementedError, match=match):
+            zds.zero.Init(**kwargs)
+    with pytest.raises(NotImplementedError, match="fwd_module"):
+        zds.zero.GatheredParameters(list(model.parameters()), fwd_module=model)
+
+
+def test_add_config_arguments_are_deepspeeds():
+    import argparse
+    args = zds.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepspeed", "--deepspeed_config", "c.json"])
+    assert (args.deepspeed, args.deepspeed_config, args.deepscale, args.deepscale_config) == (True, "c.json", False, None)
+    if HAVE_DEEPSPEED:   # the same arguments, defaults and group as DeepSpeed's own
+        import deepspeed
+        ours = zds.add_config_arguments(argparse.ArgumentParser())
+        theirs = deepspeed.add_config_arguments(argparse.ArgumentParser())
+        strip = lambda p: [(a.dest, a.default, type(a).__name__, a.type) for a in p._actions]  # noqa: E731
+        assert strip(ours) == strip(theirs)
+
+
+# ---------------------------------------------------------------- the engine's DeepSpeed surface, on 2 ranks
+def _surface(save_dir):
+    import zerolab.deepspeed as deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = deepspeed.comm.get_rank()
+    t = torch.tensor([rank + 1.0])
+    deepspeed.comm.all_reduce(t)
+    deepspeed.comm.barrier()
+    assert t.item() == 3.0 and deepspeed.comm.get_world_size() == WORLD
+    sched_cfg = {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 4, "warmup_type": "linear"}}
+    torch.manual_seed(0)
+    model = script.Net()
+    engine, optimizer, loader, lr_scheduler = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config={**ds_config(2), "scheduler": sched_cfg})
+    assert loader is None and engine.module is model and engine.fc1 is model.fc1   # unknown names: the model's
+    torch.manual_seed(rank)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    lrs = []
+    for _ in range(2 * GAS):
+        assert engine.is_gradient_accumulation_boundary() == (engine.micro_steps % GAS == GAS - 1)
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+        lrs.append(lr_scheduler.get_lr())
+        assert engine.get_lr() == lrs[-1] == [optimizer.param_groups[0]["lr"]]
+    assert engine.global_steps == 2 and lr_scheduler.last_batch_iteration == 1
+    for call, match in ((lambda: lr_scheduler.step(), "lr_scheduler.step"), (lambda: optimizer.step(), "engine.step"),
+                        (lambda: engine.train_batch(), "train_batch"), (lambda: engine.get_global_grad_norm(), "norm"),
+                        (lambda: engine.save_checkpoint(save_dir, save_latest=False), "latest")):
+        with pytest.raises(NotImplementedError, match=match):
+            call()
+    with pytest.raises(AssertionError, match="ZeRO stage 2"), engine.no_sync():   # DeepSpeed's own refusal
+        pass
+    with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
+        engine.no_such_thing
+    # checkpoints with DeepSpeed's keywords and return values
+    assert engine.save_checkpoint(save_dir, client_state={"epoch": 3}) is True
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+    path, client_state = engine.load_checkpoint(save_dir)
+    assert path.endswith("global_step2") and client_state == {"epoch": 3} and engine.global_steps == 2
+    assert all(torch.equal(saved[n], p) for n, p in model.named_parameters())
+    with pytest.warns(UserWarning, match="no 'latest'"):   # DeepSpeed warns too, and returns (None, None)
+        assert engine.load_checkpoint(str(save_dir) + "-missing") == (None, None)
+    # stage 1: no_sync is refused by zerolab (DeepSpeed allows it there); no optimizer: backward refuses
+    e1, *_ = deepspeed.initialize(model=script.Net(), config=ds_config(1))
+    with pytest.raises(NotImplementedError, match="gradient_accumulation_steps"), e1.no_sync():
+        pass
+    e0, opt0, _, sched0 = deepspeed.initialize(model=script.Net(), config=ds_config(0, optimizer=False))
+    assert opt0 is None and sched0 is None and e0.get_lr() == []
+    with pytest.raises(RuntimeError, match="must provide an optimizer"):
+        e0.backward(e0(x).sum())
+    return lrs
+
+
+@pytest.mark.slow
+def test_the_engine_answers_deepspeeds_calls(tmp_path):
+    lrs = zl.launch(_surface, world_size=WORLD, args=(str(tmp_path / "ckpt"),), timeout=180)
+    assert lrs[0] == lrs[1] and all(isinstance(lr, list) and len(lr) == 1 for lr in lrs[0])

@@ -27,10 +27,14 @@ def _plain(v):
     return list(v) if isinstance(v, tuple) else v
 
 
-def read_client_optimizer(optimizer, model_parameters):
+def read_client_optimizer(optimizer, model_parameters, model):
     """``(config "optimizer" section, parameter groups)`` for ``optimizer=`` of ``deepspeed.initialize``."""
     if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
-        optimizer = optimizer(model_parameters)   # DeepSpeedOptimizerCallable: called with model_parameters
+        # DeepSpeedOptimizerCallable: called with model_parameters (without them DeepSpeed passes None
+        # and torch fails; here the model's trainable parameters)
+        if model_parameters is None:
+            model_parameters = [p for p in model.parameters() if p.requires_grad]
+        optimizer = optimizer(model_parameters)
     name = CLIENT_OPTIMIZERS.get(type(optimizer))
     if name is None:
         what = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"

@@ -89,7 +89,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if raw.get("optimizer") is not None:
             warnings.warn("deepspeed.initialize: both optimizer= and the config's \"optimizer\" are given; the "
                           "client optimizer is used (as DeepSpeed does)", UserWarning, stacklevel=2)
-        raw["optimizer"], model_parameters = read_client_optimizer(optimizer, model_parameters)
+        raw["optimizer"], model_parameters = read_client_optimizer(optimizer, model_parameters, model)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     engine = zl_initialize(model, raw, model_parameters=_groups(model, model_parameters))
     register(engine)
