@@ -65,7 +65,7 @@ def run_zerolab(cfg_path, **kwargs) -> list[dict]:
     return zl.launch(_zerolab_rank, world_size=WORLD, args=(["--deepspeed_config", cfg_path], kwargs), timeout=180)
 
 
-def expected_batches(rank: int, n: int = script.N_SAMPLES) -> list[list[int]]:
+def expected_batches(rank: int, world: int = WORLD, n: int = script.N_SAMPLES) -> list[list[int]]:
     """DeepSpeed's order from its rules: per epoch a permutation seeded 0 + epoch (the script calls
     set_epoch), padded to a multiple of the world, every WORLD-th index from ``rank``, cut in MICRO."""
     out = []
@@ -73,8 +73,8 @@ def expected_batches(rank: int, n: int = script.N_SAMPLES) -> list[list[int]]:
         g = torch.Generator()
         g.manual_seed(epoch)
         order = torch.randperm(n, generator=g).tolist()
-        total = math.ceil(n / WORLD) * WORLD
-        mine = (order + order[: total - n])[rank:total:WORLD]
+        total = math.ceil(n / world) * world
+        mine = (order + order[: total - n])[rank:total:world]
         out += [mine[i: i + MICRO] for i in range(0, len(mine), MICRO)]
     return out
 
@@ -103,14 +103,18 @@ def assert_params_close(got: dict, want: dict, atol: float = 1e-5):
     assert worst <= atol, f"parameters differ by up to {worst:.3g} (tolerance {atol:g})"
 
 
-def check_like_one_process(results):
+def check_like_one_process(results, workers=0):
+    """``workers``: loader processes per rank -- 0 in a zl.launch rank (daemonic), DeepSpeed's 2 elsewhere."""
+    world = len(results)
     for r, res in enumerate(results):
-        assert res["rank"] == r and res["world_size"] == WORLD and res["local_rank"] == r == res["args_local_rank"]
-        assert res["batches"] == expected_batches(r), f"rank {r} did not see DeepSpeed's batches"
-        assert res["global_steps"] == len(res["batches"]) // GAS and res["global_samples"] == res["global_steps"] * 16
+        assert res["rank"] == r and res["world_size"] == world and res["local_rank"] == r == res["args_local_rank"]
+        assert res["batches"] == expected_batches(r, world), f"rank {r} did not see DeepSpeed's batches"
+        assert res["global_steps"] == len(res["batches"]) // GAS
+        assert res["global_samples"] == res["global_steps"] * MICRO * GAS * world
         assert res["lr"] == [LR] and res["micro"] == MICRO and res["gas"] == GAS
-        assert res["workers"] == 0   # a zl.launch rank is daemonic: no loader worker processes
-    assert_params_close(results[0]["final"], results[1]["final"], atol=0)   # every rank holds the same model
+        assert res["workers"] == workers
+    for res in results[1:]:
+        assert_params_close(results[0]["final"], res["final"], atol=0)   # every rank holds the same model
     assert_params_close(results[0]["final"], reference([res["batches"] for res in results]))
 
 
@@ -134,33 +138,46 @@ def test_planted_sampler_without_the_seed_is_caught(tmp_path, monkeypatch):
         check_like_one_process(results)
 
 
-# ---------------------------------------------------------------- the same script under DeepSpeed itself
+def run_script(cfg_path, tmp_path, launcher: list, lib: str, *flags) -> list[dict]:
+    """Run tests/deepspeed_train.py as a script (``launcher``: [] for ``python script.py``, or torchrun's)."""
+    out = tmp_path / f"{lib}_result"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, *launcher, str(TESTS / "deepspeed_train.py"), "--lib", lib, "--out", str(out), *flags,
+           "--deepspeed_config", cfg_path]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-4000:]
+    world = int(launcher[launcher.index("--nproc-per-node") + 1]) if launcher else 1
+    return [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(world)]
+
+
+def torchrun(world: int = WORLD) -> list:
+    return ["-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(_free_port())]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_deepspeed(cfg_path, tmp_path, *flags) -> list[dict]:
-    """``torchrun --nproc-per-node 2 deepspeed_train.py --lib deepspeed``: a launcher's ranks are not
-    daemonic, so DeepSpeed's loader can start its worker processes."""
-    out = tmp_path / "ds_result"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           "--master-port", str(_free_port()), str(TESTS / "deepspeed_train.py"), "--lib", "deepspeed",
-           "--out", str(out), *flags, "--deepspeed_config", cfg_path]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(WORLD)]
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_the_script_runs_as_a_script(tmp_path, launcher):
+    """``python script.py`` (one rank, started by init_distributed) and ``torchrun``: not daemonic, so the
+    loader starts DeepSpeed's 2 worker processes per rank."""
+    cfg = write(tmp_path, ds_config(3))
+    results = run_script(cfg, tmp_path, [] if launcher == "python" else torchrun(), "zerolab.deepspeed")
+    check_like_one_process(results, workers=2)
 
 
+# ---------------------------------------------------------------- the same script under DeepSpeed itself
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed")
 @pytest.mark.parametrize("stage, flags", [(2, ("--client_optimizer",)), (3, ("--zero_init",))],
                          ids=["stage2-client-optimizer", "stage3-zero-init"])
 def test_same_script_under_deepspeed_gives_the_same_batches_and_parameters(tmp_path, stage, flags):
     cfg = write(tmp_path, ds_config(stage, optimizer="--client_optimizer" not in flags))
-    theirs = run_deepspeed(cfg, tmp_path, *flags)
+    theirs = run_script(cfg, tmp_path, torchrun(), "deepspeed", *flags)   # not daemonic: its loader's workers start
     ours = run_zerolab(cfg, **{f.lstrip("-"): True for f in flags})
     for r in range(WORLD):
         assert ours[r]["batches"] == theirs[r]["batches"], f"rank {r}: the two loaders' batches differ"
