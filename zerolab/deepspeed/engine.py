@@ -200,7 +200,7 @@ class DeepSpeedOptimizer:
     def param_groups(self):
         e = self.engine
         opt, lr = e.optimizer, e.get_lr()
-        hypers = getattr(opt, "hypers", None) or [opt]
+        hypers = getattr(opt, "hypers", None) or opt.math.hypers   # ShardedOptimizer | offload's (its .math)
         base = getattr(opt, "lr", lr)
         params = [list(e.module.parameters())] if len(hypers) == 1 else [[] for _ in hypers]
         if len(hypers) > 1:
