@@ -324,3 +324,8 @@ def _surface(save_dir):
 def test_the_engine_answers_deepspeeds_calls(tmp_path):
     lrs = zl.launch(_surface, world_size=WORLD, args=(str(tmp_path / "ckpt"),), timeout=180)
     assert lrs[0] == lrs[1] and all(isinstance(lr, list) and len(lr) == 1 for lr in lrs[0])
+
+
+def test_repeating_loader_restarts():
+    it = zds.utils.RepeatingLoader([1, 2, 3])
+    assert [next(it) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]

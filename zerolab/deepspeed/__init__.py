@@ -16,18 +16,18 @@ The names, signatures, defaults and return values are DeepSpeed 0.19.8's
 (``front``: ``initialize``, ``add_config_arguments``; ``comm``: ``init_distributed``
 and the process-group calls; ``zero``: ``Init``, ``GatheredParameters``;
 ``engine``: what the returned engine answers; ``data``: the loader's batch
-order). Underneath is ``zl.initialize``, so ``engine.memory()`` and
+order; ``utils``: ``RepeatingLoader``). Underneath is ``zl.initialize``, so ``engine.memory()`` and
 ``engine.comm`` tell what the script's job holds and sends. What zerolab cannot
 do raises ``NotImplementedError`` naming the DeepSpeed call and what to use.
 Run it with ``zl.launch(fn, world_size=N)``, ``torchrun --nproc-per-node N
 script.py --deepspeed_config ds.json``, or ``python script.py`` (one rank);
 DeepSpeed's own ``deepspeed`` launcher is not provided.
 """
-from zerolab.deepspeed import comm, zero
+from zerolab.deepspeed import comm, utils, zero
 from zerolab.deepspeed.comm import init_distributed
-from zerolab.deepspeed.data import DeepSpeedDataLoader, RepeatingLoader
+from zerolab.deepspeed.data import DeepSpeedDataLoader
 from zerolab.deepspeed.engine import DeepSpeedEngine
 from zerolab.deepspeed.front import add_config_arguments, initialize
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "comm", "zero", "DeepSpeedEngine",
-           "DeepSpeedDataLoader", "RepeatingLoader"]
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "comm", "zero", "utils", "DeepSpeedEngine",
+           "DeepSpeedDataLoader"]

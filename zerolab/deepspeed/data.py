@@ -70,21 +70,3 @@ class DeepSpeedDataLoader:
         if self.data is None:
             raise TypeError("iterate the loader (for batch in loader / iter(loader)) before calling next() on it")
         return next(self.data)
-
-
-class RepeatingLoader:
-    """DeepSpeed's ``deepspeed.utils.RepeatingLoader``: restart ``loader`` whenever it runs out."""
-
-    def __init__(self, loader):
-        self.loader = loader
-        self.data_iter = iter(loader)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            return next(self.data_iter)
-        except StopIteration:
-            self.data_iter = iter(self.loader)
-            return next(self.data_iter)
