@@ -29,7 +29,11 @@ on the engine that owns ``params``: at stage 3 the units holding them are
 all-gathered for the block (collective: every rank enters) and, with
 ``modifier_rank=r``, rank r's in-place edits are broadcast back into every
 rank's shard. Parameters no engine owns are left alone, as DeepSpeed leaves
-parameters that are not partitioned.
+parameters that are not partitioned. One difference, measured against
+DeepSpeed 0.19.8 (ZeRO-3, fp32, CPU): an edit made this way *after*
+``initialize`` is kept here (the fp32 master takes the edited elements), while
+DeepSpeed's next optimizer step copies its own fp32 partition back over it.
+Edit before ``initialize`` (right after ``zero.Init``) and both agree.
 """
 from __future__ import annotations
 
