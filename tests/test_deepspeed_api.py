@@ -307,6 +307,9 @@ def _surface(save_dir):
     path, client_state = engine.load_checkpoint(save_dir)
     assert path.endswith("global_step2") and client_state == {"epoch": 3} and engine.global_steps == 2
     assert all(torch.equal(saved[n], p) for n, p in model.named_parameters())
+    assert engine.save_16bit_model(save_dir, "model.bin") is True and engine.get_mom() == [(0.9, 0.999)]
+    if rank == 0:
+        assert torch.load(os.path.join(save_dir, "model.bin")).keys() == model.state_dict().keys()
     with pytest.warns(UserWarning, match="no 'latest'"):   # DeepSpeed warns too, and returns (None, None)
         assert engine.load_checkpoint(str(save_dir) + "-missing") == (None, None)
     # stage 1: no_sync is refused by zerolab (DeepSpeed allows it there); no optimizer: backward refuses
