@@ -26,7 +26,8 @@ ALLOWED = {
     "book": {"theory", "config", "runtime", "engine"},
     "grading": {"theory", "config", "runtime", "engine", "book"},
     "bench": {"theory", "config", "runtime", "engine", "book"},
-    "top": {"theory", "config", "runtime", "engine", "book", "grading", "bench", "top"},
+    "deepspeed": {"theory", "config", "runtime", "engine"},
+    "top": {"theory", "config", "runtime", "engine", "book", "grading", "bench", "deepspeed", "top"},
 }
 NO_TORCH = {"theory", "config"}
 TOP_FILES = {"__init__.py", "__main__.py", "cli.py"}
