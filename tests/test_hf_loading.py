@@ -19,14 +19,15 @@ TOL = 1e-5
 STAGES = (0, 1, 2, 3)
 
 
-def meta_worker(family, src, strict, stages=STAGES):
-    """Build ``family`` on meta, initialize, ``engine.load_state_dict(src, strict)``, train; rank 0
-    returns {stage: final state dict, or the error it raised}."""
+def meta_worker(family, src, strict, meta=True, stages=STAGES):
+    """Build ``family`` on meta (``meta=False``: normally, from another seed than the file's),
+    initialize, ``engine.load_state_dict(src, strict)``, train; rank 0 returns {stage: final state
+    dict, or the error it raised}."""
     rank, n = dist.get_rank(), dist.get_world_size()
     out = {}
     for stage in stages:
         try:
-            engine = zl.initialize(build(family, meta=True), engine_config(stage))
+            engine = zl.initialize(build(family, seed=0 if meta else 1, meta=meta), engine_config(stage))
             engine.load_state_dict(src, strict=strict)
             for step in range(STEPS):
                 kw, y = batch(family, step, rank, n)
@@ -40,11 +41,11 @@ def meta_worker(family, src, strict, stages=STAGES):
     return out
 
 
-def check_meta(family, src, strict=True):
-    got = zl.launch(meta_worker, world_size=2, args=(family, src, strict), timeout=300, threads=1)[0]
+def check_meta(family, src, strict=True, meta=True):
+    got = zl.launch(meta_worker, world_size=2, args=(family, src, strict, meta), timeout=300, threads=1)[0]
     want = reference(family)
     report = {s: r if isinstance(r, str) else "max diff %.3g (%s)" % max_diff(r, want) for s, r in got.items()}
-    print(f"{family} on meta, loaded:", report)
+    print(f"{family} {'built on meta' if meta else 'built'}, loaded:", report)
     assert all(not isinstance(r, str) and max_diff(r, want)[0] <= TOL for r in got.values()), report
 
 
@@ -219,3 +220,83 @@ def test_buffer_set_after_initialize_is_used(meta):
     got = zl.launch(buffer_worker, world_size=2, args=(meta,), timeout=120, threads=1)[0]
     print(f"buffer set after initialize (meta={meta}):", got)
     assert all(not isinstance(e, str) and e <= 1e-6 for errs in got.values() for e in errs), got
+
+
+# ---------------------------------------------------------------- a meta model's own initialisation, HF's files
+def own_init_worker(stages=STAGES):
+    """A meta-built Llama, no file: rank 0 returns {stage: (norm weights all 1, std of the Linear
+    weights, rotary inv_freq, whether a forward runs)} or the error raised."""
+    out = {}
+    for stage in stages:
+        model = build("llama", meta=True)
+        engine = zl.initialize(model, engine_config(stage))
+        full = engine.full_state_dict()
+        norms = all(bool((v == 1).all()) for k, v in full.items() if k.endswith("norm.weight"))
+        std = torch.cat([v.flatten() for k, v in full.items() if k.endswith("proj.weight")]).std().item()
+        try:
+            with torch.no_grad():
+                engine(**batch("llama", 0, dist.get_rank(), 2)[0])
+            ran = True
+        except RuntimeError as e:
+            ran = f"RuntimeError: {str(e)[:160]}"
+        out[stage] = (norms, std, model.model.rotary_emb.inv_freq.clone(), ran)
+    return out if dist.get_rank() == 0 else None
+
+
+@pytest.mark.xfail(strict=True, reason="issue 25 item 1: a meta-built HF model gets nn.Linear's reset_parameters "
+                                       "(not its _init_weights), no norm weights and no RoPE frequencies")
+def test_meta_llama_without_a_file_gets_its_own_initialisation():
+    """HF's _init_weights: Linear weights N(0, initializer_range = 0.02), norm weights 1; the
+    rotary frequencies computed in __init__ (measured: nn.Linear's kaiming init gives std ~0.1)."""
+    built = build("llama")
+    got = zl.launch(own_init_worker, world_size=2, timeout=300, threads=1)[0]
+    report = {s: (norms, round(std, 4), torch.equal(inv, built.model.rotary_emb.inv_freq), ran)
+              for s, (norms, std, inv, ran) in got.items()}
+    print("meta Llama, own initialisation (norms 1, proj std, inv_freq right, forward):", report)
+    assert all(r[0] and 0.017 < r[1] < 0.023 and r[2] and r[3] is True for r in report.values()), report
+
+
+@pytest.mark.xfail(strict=True, reason="issue 25 item 5: HF's sharded checkpoints (model.safetensors.index.json) "
+                                       "are not read")
+def test_sharded_save_pretrained_loads_through_its_index(tmp_path):
+    """save_pretrained(max_shard_size=...) writes several files and an index naming them; pointing
+    load_state_dict at the index loads them all (a model built normally from another seed, so the
+    meta-device fixes are not needed here)."""
+    build("llama").save_pretrained(tmp_path, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    check_meta("llama", str(tmp_path / "model.safetensors.index.json"), meta=False)
+
+
+def adapter_worker(path, stages=STAGES):
+    """A fresh LoRA model in each stage's engine loads PEFT's adapter file (``adapter_model.safetensors``,
+    names without the adapter's name ``default``); rank 0 returns {stage: its LoRA weights or the error}."""
+    out = {}
+    for stage in stages:
+        engine = zl.initialize(build("lora", seed=1), engine_config(stage))
+        try:
+            engine.load_state_dict(path, strict=False)
+        except (RuntimeError, ValueError) as e:
+            out[stage] = f"{type(e).__name__}: {str(e)[:160]}"
+            continue
+        full = engine.full_state_dict()
+        out[stage] = {k: v for k, v in full.items() if "lora_" in k}
+    return out if dist.get_rank() == 0 else None
+
+
+@pytest.mark.xfail(strict=True, reason="issue 25 item 5: PEFT adapter files (names without '.default') do not load")
+def test_peft_adapter_file_loads(tmp_path):
+    trained = build("lora")
+    opt = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+    for step in range(2):   # so lora_B is no longer zero
+        kw, y = batch("lora", step)
+        opt.zero_grad()
+        loss_of(trained(**kw), y).backward()
+        opt.step()
+    trained.save_pretrained(tmp_path)
+    want = {k: v for k, v in trained.state_dict().items() if "lora_" in k}
+    assert all(v.abs().max() > 0 for v in want.values())
+    got = zl.launch(adapter_worker, world_size=2, args=(str(tmp_path / "adapter_model.safetensors"),),
+                    timeout=300, threads=1)[0]
+    report = {s: r if isinstance(r, str) else "max diff %.3g (%s)" % max_diff(r, want) for s, r in got.items()}
+    print("PEFT adapter file:", report)
+    assert all(not isinstance(r, str) and max_diff(r, want)[0] == 0.0 for r in got.values()), report

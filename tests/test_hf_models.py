@@ -110,7 +110,7 @@ def test_switch_moe_stages_0_2_match_single_process():
 @pytest.mark.xfail(strict=True, raises=zl.LaunchError,
                    reason="issue 25 item 2: ZeRO-3 collectives out of order when an expert is used on one rank only")
 def test_switch_moe_stage3_expert_used_on_one_rank_only():
-    """A hang fails in seconds: collectives time out after 20 s."""
+    """A hang fails in seconds: collectives time out after 20 s (today gloo aborts the rank at once)."""
     _, usage = check_family("switch", (3,), seed=SWITCH_SEED, adamw=NO_DECAY, timeout=120, collective_timeout=20)
     switch_scenario(usage)
 
@@ -210,7 +210,7 @@ def test_layer_skipped_on_one_rank_stages_0_2():
                    reason="issue 25 item 2: ZeRO-3 collective order depends on which layers a rank's data used")
 def test_layer_skipped_on_one_rank_stage3():
     cases = [(3, {"overlap_comm": o, "stage3_prefetch_bucket_size": pf}) for o in (False, True) for pf in (0, 10**6)]
-    check_toy(cases, one_rank_skips, timeout=120, collective_timeout=20)
+    check_toy(cases, one_rank_skips, timeout=120, collective_timeout=10)
 
 
 def never_after_first_step(step, rank):   # b: used by every rank at step 0, by none afterwards
