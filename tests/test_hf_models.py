@@ -143,6 +143,7 @@ def toy_batch(step, rank):
 
 
 TOY_ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
+TOY_STEPS = 4
 
 
 def toy_worker(cases, uses, ddp=False):
@@ -158,7 +159,7 @@ def toy_worker(cases, uses, ddp=False):
             net = zl.initialize(model, {"optimizer": {"type": "AdamW", "params": TOY_ADAMW},
                                         "zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
                                                               "stage3_param_persistence_threshold": 0, **zero}})
-        for step in range(STEPS):
+        for step in range(TOY_STEPS):
             x, y = toy_batch(step, rank)
             loss = torch.nn.functional.mse_loss(net(x, uses(step, rank)), y)
             if stage == "ddp":
@@ -177,7 +178,7 @@ def toy_reference(uses):
     """Single process: the mean of the two ranks' losses; b's grad stays None in a step no rank uses it."""
     model = TwoLinear()
     opt = torch.optim.AdamW(model.parameters(), fused=True, **TOY_ADAMW)
-    for step in range(STEPS):
+    for step in range(TOY_STEPS):
         opt.zero_grad(set_to_none=True)
         loss = sum(torch.nn.functional.mse_loss(model(*toy_batch(step, r)[:1], uses(step, r)), toy_batch(step, r)[1])
                    for r in range(2)) / 2
@@ -213,15 +214,16 @@ def test_layer_skipped_on_one_rank_stage3():
     check_toy(cases, one_rank_skips, timeout=120, collective_timeout=10)
 
 
-def never_after_first_step(step, rank):   # b: used by every rank at step 0, by none afterwards
-    return step == 0
+def unused_at_steps_1_2(step, rank):   # b: used by every rank at steps 0 and 3, by none at 1 and 2
+    return step in (0, 3)
 
 
 @pytest.mark.xfail(strict=True, reason="issue 25 item 3: a parameter unused on all ranks is stepped (moments, decay)")
 def test_parameter_unused_on_all_ranks_is_not_stepped():
-    """b's Adam moments from step 0 (and weight decay) must not move it at steps 1-2: torch.optim
-    skips a parameter whose grad is None, and DDP (find_unused_parameters=True) agrees."""
-    check_toy([(s, {}) for s in (0, 1, 2, 3)], never_after_first_step, ddp=True)
+    """b's Adam moments from step 0 (and weight decay) must not move it at steps 1-2, and step 3
+    must find its moments and its own step count (bias correction t=2) as step 0 left them:
+    torch.optim skips a parameter whose grad is None, and DDP (find_unused_parameters=True) agrees."""
+    check_toy([(s, {}) for s in (0, 1, 2, 3)], unused_at_steps_1_2, ddp=True)
 
 
 def two_losses_worker(stages):
