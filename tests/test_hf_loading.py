@@ -8,6 +8,8 @@ reported (both ranks raise at the same point), so a failure lists every stage.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -83,12 +85,9 @@ def lora_gpt2(meta):
     """LoRA on GPT-2's fused attention projection (a Conv1D), built on meta or normally."""
     from peft import LoraConfig, get_peft_model
     base = build("gpt2", meta=meta)
-    if meta:
-        with torch.device("meta"):
-            return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
-                                                   fan_in_fan_out=True, lora_dropout=0.0))
-    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True,
-                                           lora_dropout=0.0))
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True,
+                                               lora_dropout=0.0))
 
 
 def lora_meta_worker(base_sd, stages=STAGES):
