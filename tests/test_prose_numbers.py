@@ -233,3 +233,50 @@ def test_the_title_cell_may_use_any_cell(tmp_path):
     p = tmp_path / "04_y.ipynb"
     p.write_text(json.dumps({"cells": cells}))
     assert unchecked_numbers(p) == []
+
+
+# ---- what the executed cells print (checked while nbval runs the chapters: conftest.py) ----
+# A claim a cell prints is the book's too: "equals its prediction: False" under prose that says it
+# holds, or a negative duration in a time model, contradicts the text next to it.
+CLAIM = re.compile(r"(?i)\b(equal|match|agree)\w*")
+FALSE = re.compile(r"\bFalse\b")
+NEGATIVE_TIME = re.compile(r"(?<![\w.])[-−]\s?\d+(?:[.,]\d+)*\s?(?:ms|µs|us|s)\b")
+DIFFERENCE = re.compile(r"(?i)(Δ|delta|change|saved|diff)")
+
+
+def output_problems(text: str) -> list[str]:
+    """The lines of a cell's printed output that contradict themselves: ``False`` on a line that
+    claims an equality / match / agreement, or a negative duration on a line that is not a difference."""
+    problems = []
+    for line in text.splitlines():
+        if FALSE.search(line) and CLAIM.search(line):
+            problems.append(f"a claim printed False: {line.strip()[:100]!r}")
+        if NEGATIVE_TIME.search(line) and not DIFFERENCE.search(line):
+            problems.append(f"a negative duration: {line.strip()[:100]!r}")
+    return problems
+
+
+def output_text(outputs) -> str:
+    """The text a list of nbformat outputs shows: streams and text/plain results (errors aside)."""
+    parts = []
+    for o in outputs:
+        if "text" in o:
+            parts.append("".join(o["text"]) if isinstance(o["text"], list) else o["text"])
+        elif "text/plain" in o.get("data", {}):
+            t = o["data"]["text/plain"]
+            parts.append("".join(t) if isinstance(t, list) else t)
+    return "\n".join(parts)
+
+
+def test_printed_false_claims_and_negative_times_are_caught():
+    # the lines chapter 9 printed when its qgZ prediction and its time model were wrong
+    assert output_problems("every measurement equals its prediction: False")
+    assert output_problems("ZeRO-3     0.155s    0.129s      1.00x  -0.155s           -0.83")
+    assert output_problems("compute −12.0 ms")
+    assert output_problems("the curves agree: False") and output_problems("matches the formula: False")
+    assert not output_problems("every measurement equals its prediction: True")
+    assert not output_problems("link  overlap_comm  step\nraw loopback   False  68.9 ms   30.4 ms")
+    assert not output_problems("Δ step -3.2 ms") and not output_problems("saved -0.5 s")
+    assert not output_problems("gap -3.36%  update error 1.19e-01  loss -0.5")
+    assert output_text([{"output_type": "stream", "text": ["a\n", "b"]},
+                        {"output_type": "execute_result", "data": {"text/plain": "c"}}]) == "a\nb\nc"
