@@ -139,3 +139,9 @@ def test_hardware_presets_are_checked_and_named():
         assert isinstance(hw, Hardware) and hw.cpu_adam == hw.host_memory / 30 and hw.nvme == hw.nvme_drives * hw.nvme_drive
     with pytest.raises(ValueError, match="node=, link= or hardware="):
         zl.choose_stage(7e9, 8, 80 * GB)
+
+
+def test_gpu_peaks_and_ridge_points():
+    from zerolab.theory import GPUS
+    assert [round(g.ridge) for g in GPUS.values()] == [153, 295, 206, 281]     # FLOPs per HBM byte
+    assert GPUS["H200"].bf16 == GPUS["H100"].bf16 and GPUS["H200"].hbm > GPUS["H100"].hbm

@@ -20,7 +20,7 @@ from zerolab.theory.memory import (DEVICES, GB, OPTIMIZERS, PRECISIONS, TABLE1_D
                                    format_paper_gb, table1_text, zero_table1)
 from zerolab.theory.network import LINKS, OPS, Link, get_link, ring_bytes, ring_steps
 from zerolab.theory.nodes import NODES, Node, get_node
-from zerolab.theory.hardware import HARDWARE, Hardware, get_hardware, offload_step_seconds
+from zerolab.theory.hardware import GPU, GPUS, HARDWARE, Hardware, get_hardware, offload_step_seconds
 from zerolab.theory.offload import offload_seconds, slowdown
 from zerolab.theory.plan import Plan, choose_stage
 
@@ -29,5 +29,5 @@ __all__ = ["STAGES", "check_psi_n", "CommOp", "comm_breakdown", "comm_volume", "
            "DeepSpeedEstimate", "Estimate", "activation_memory", "bytes_per_param", "deepspeed_estimate", "estimate",
            "gathered_working_set",
            "format_paper_gb", "table1_text", "zero_table1", "LINKS", "OPS", "Link", "get_link", "ring_bytes",
-           "ring_steps", "NODES", "Node", "get_node", "HARDWARE", "Hardware", "get_hardware", "offload_step_seconds", "offload_seconds", "slowdown", "Plan",
+           "ring_steps", "NODES", "Node", "get_node", "GPU", "GPUS", "HARDWARE", "Hardware", "get_hardware", "offload_step_seconds", "offload_seconds", "slowdown", "Plan",
            "choose_stage"]

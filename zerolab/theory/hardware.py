@@ -13,6 +13,9 @@ what the offload tiers and the compute need:
   (``cpu_adam``), shared by its GPUs;
 * ``nvme_drives`` x ``nvme_drive``: the node's local NVMe drives and the bytes/s of one.
 
+``GPUS`` holds single accelerators' datasheet peaks (A100, H100, H200, B200: bf16 FLOP/s,
+HBM bandwidth and size, NVLink, the NIC per GPU) for chapter 10's roofline.
+
 Chapters 7, 9, 10, 11 and ``choose_stage`` take these presets (``HARDWARE[name]``);
 nothing else in the book states a bandwidth of its own. Every number is a line rate or a
 datasheet figure (cited beside it) or an *assumption* (achieved fractions, said so).
@@ -129,3 +132,34 @@ def offload_step_seconds(psi, n_gpus, grad_accum=1, optimizer="none", params="no
     elif params == "nvme":
         traffic += (4 * shard * g + 2 * shard) / share["nvme"]
     return {"offload": traffic, "optimizer": cpu}
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator's peaks (datasheet figures, dense, per GPU): the roofline's inputs (chapter 10)."""
+    name: str
+    bf16: float          # dense bf16 tensor FLOP/s (no sparsity)
+    hbm: float           # memory bandwidth, bytes/s
+    memory: float        # bytes of HBM
+    nvlink: float        # per GPU, per direction, bytes/s
+    nic: float           # the network card per GPU in the vendor's 8-GPU system, per direction, bytes/s
+
+    @property
+    def ridge(self) -> float:
+        """FLOPs per HBM byte above which a kernel is compute-bound (the roofline's knee)."""
+        return self.bf16 / self.hbm
+
+
+GPUS = {
+    # NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS bf16 dense, 2,039 GB/s HBM2e, NVLink3 600 GB/s
+    # (both directions); DGX A100: one 200 Gb/s HDR NIC per GPU.
+    "A100": GPU("A100 SXM 80GB", 312e12, 2.039e12, 80 * GB, 300 * GB, 200e9 / 8),
+    # NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1,979 with sparsity), 3.35 TB/s HBM3, 80 GB,
+    # NVLink4 900 GB/s; DGX H100: one 400 Gb/s NDR NIC per GPU.
+    "H100": GPU("H100 SXM", 989e12, 3.35e12, 80 * GB, 450 * GB, 400e9 / 8),
+    # NVIDIA H200 SXM datasheet: the H100's compute, 4.8 TB/s HBM3e, 141 GB; NVLink4; DGX H200: 400 Gb/s per GPU.
+    "H200": GPU("H200 SXM", 989e12, 4.8e12, 141 * GB, 450 * GB, 400e9 / 8),
+    # NVIDIA HGX B200 datasheet: 36 PFLOPS bf16 with sparsity for 8 GPUs = 2.25 PFLOPS dense per GPU,
+    # 8 TB/s HBM3e, 180 GB; NVLink5 1.8 TB/s (both directions); DGX B200: one 400 Gb/s NIC per GPU.
+    "B200": GPU("B200", 2.25e15, 8e12, 180 * GB, 900 * GB, 400e9 / 8),
+}
