@@ -42,12 +42,38 @@ def test_two_ranks_timeline_buckets_and_exposed_comm():
         assert len(grads) == len(run["buckets"]) == nu                  # one bucket per unit
         stage = cfg["zero_optimization"]["stage"]
         assert any(label.startswith("params") for label, _ in rows) == (stage > 0)
-        assert book_runs.exposed_comm(run, cfg["zero_optimization"]["overlap_comm"]) >= 0
+        exposed = book_runs.exposed_comm(run, cfg["zero_optimization"]["overlap_comm"])
+        assert 0 <= exposed <= run["step_seconds"][-1]
         ops = book_runs.collectives(run)
         assert [op for op, _, _ in ops] == (["all_reduce"] * nu if stage == 0 else
                                              ["reduce_scatter"] * nu + ["all_gather"] * len(run["units"]))
         assert sum(book_runs.bytes_by_op(run).values()) == zl.comm_volume(run["padded"], 2, stage, dtype_bytes=4)
     assert runs[0][0]["params_checksum"] == runs[1][0]["params_checksum"]
+
+
+def _fake_run(steps):
+    """A run dict with hand-written event timelines (one per step) and step times."""
+    from zerolab.engine import events as ev
+    events = []
+    for reductions in steps:
+        e = [(book_runs.FORWARD, -1, 0.0), (ev.BACKWARD_START, -1, 1.0), (ev.BACKWARD_END, -1, 2.0),
+             (ev.STEP_START, -1, 3.0), (ev.STEP_END, -1, 3.5)]
+        for i, (s, t) in enumerate(reductions):
+            e += [(ev.REDUCE_ISSUED, i, s), (ev.REDUCE_DONE, i, t)]
+        events.append(e)
+    return {"events": events, "step_seconds": [3.5] * len(steps)}
+
+
+def test_exposed_comm_is_the_union_of_blocked_intervals_not_a_sum():
+    # two buckets in flight together after backward ends at 2.0: the rank waits 2.0 -> 3.0 once, not twice
+    run = _fake_run([[(1.5, 3.0), (1.6, 3.0)]] * 2)
+    assert book_runs.exposed_comm(run, overlap=True) == pytest.approx(1.0)
+    # without overlap each reduction blocks backward for its whole duration (they do not overlap here)
+    run = _fake_run([[(1.1, 1.4), (1.5, 1.9)]] * 2)
+    assert book_runs.exposed_comm(run, overlap=False) == pytest.approx(0.7)
+    # many concurrent tails never add up to more than the step
+    run = _fake_run([[(1.0 + 0.01 * i, 3.0) for i in range(10)]] * 2)
+    assert book_runs.exposed_comm(run, overlap=False) <= run["step_seconds"][0]
 
 
 def test_watch_backward_sees_zero2_staging_buffers():

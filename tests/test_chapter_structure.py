@@ -19,6 +19,10 @@ Checked statically on the committed .ipynb files, without running them:
   starts with the marker line and prints through ``widgets.folded(...)``, so
   neither its code nor its output gives the answer away.
 
+* every teaching chapter (1-10) has a ``## Drills`` section before the interview: numeric
+  problems ``**Drill 1.**``, ``**Drill 2.**``, ... (at least three), each followed by a code cell
+  with hidden source that checks a typed answer with ``zerolab.book.drills.drill(k, ...)``.
+
 The marker convention (chapters 1-6): the first line of such a cell is
 ``# numbers for the answer above (hidden)`` and the printing happens inside
 ``with folded("numbers for the answer"):``.
@@ -298,3 +302,47 @@ def test_stored_widget_state_and_execution_counts_fail(tmp_path):
     nb["cells"][2]["execution_count"] = 3
     problems = _problems(tmp_path, nb)
     assert any("widget state" in p for p in problems) and any("execution count" in p for p in problems), problems
+
+
+# ---- drills: every teaching chapter (not the welcome, not the interview chapter) ----
+DRILL = re.compile(r"\*\*Drill (\d+)\.\*\*")
+TEACHING = [p for p in sorted(CHAPTERS.glob("[0-9][0-9]_*.ipynb")) if p.stem not in ("00_welcome", "11_interview")]
+
+
+def drill_problems(cells) -> list[str]:
+    """A '## Drills' section with Drill 1, 2, 3... in order, each followed by a code cell that checks the
+    answer with ``drill(k, ...)`` and hides its source (the expected value is the answer)."""
+    text = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"] for c in cells]
+    if not any(t.startswith("## Drills") for t in text):
+        return ["no '## Drills' section"]
+    problems, seen = [], []
+    for i, (c, t) in enumerate(zip(cells, text)):
+        for m in DRILL.finditer(t if c["cell_type"] == "markdown" else ""):
+            k = int(m.group(1))
+            seen.append(k)
+            nxt = cells[i + 1] if i + 1 < len(cells) else None
+            src = text[i + 1] if nxt else ""
+            if nxt is None or nxt["cell_type"] != "code" or f"drill({k}," not in src:
+                problems.append(f"Drill {k}: the next cell must check it with drill({k}, ...)")
+            elif not nxt.get("metadata", {}).get("jupyter", {}).get("source_hidden"):
+                problems.append(f"Drill {k}: its check cell must hide its source")
+    if seen != list(range(1, len(seen) + 1)) or len(seen) < 3:
+        problems.append(f"drills numbered {seen}: want 1, 2, 3, ... (at least three)")
+    return problems
+
+
+@pytest.mark.parametrize("path", TEACHING, ids=lambda p: p.stem)
+def test_teaching_chapters_end_with_drills(path):
+    problems = drill_problems(json.loads(path.read_text(encoding="utf-8"))["cells"])
+    assert not problems, f"{path.name}: " + "; ".join(problems)
+
+
+def test_drill_checker_catches_a_missing_check():
+    md = lambda s: {"cell_type": "markdown", "source": s}                          # noqa: E731
+    code = lambda s: {"cell_type": "code", "source": s, "metadata": {"jupyter": {"source_hidden": True}}}  # noqa: E731
+    good = [md("## Drills"), md("**Drill 1.** a"), code("drill(1, 2, 'GB', 'w')"), md("**Drill 2.** b"),
+            code("drill(2, 2, 'GB', 'w')"), md("**Drill 3.** c"), code("drill(3, 2, 'GB', 'w')")]
+    assert drill_problems(good) == []
+    assert drill_problems(good[:6]) and drill_problems(good[:5])                       # Drill 3 unchecked; two drills
+    shown = good[:-1] + [{"cell_type": "code", "source": "drill(3, 2, 'GB', 'w')", "metadata": {}}]
+    assert drill_problems(shown) and drill_problems([md("## Other")])

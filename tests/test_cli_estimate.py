@@ -57,15 +57,15 @@ def test_offload_and_nodes_rows():
 
 
 def test_config_drives_settings_and_marks_stage():
-    r = run("estimate", "--params", "7.5e9", "--gpus", "8", "--config", str(CONFIGS / "seed_004b_stage3_8xA100.json"))
+    r = run("estimate", "--params", "7.5e9", "--gpus", "8", "--config", str(CONFIGS / "source_004b_stage3_8xA100.json"))
     assert r.returncode == 0, r.stderr
     assert "stage 3*" in r.stdout and "optimizer adamw" in r.stdout and "gradient accumulation 4" in r.stdout
     assert row(r.stdout, "host RAM per rank")[3] == gb(16 * 7.5e9 / 8)      # 12Ψ/N state + 4Ψ/N fp32 grads
 
 
-def test_bad_seed_config_is_a_clear_error():
+def test_bad_source_config_is_a_clear_error():
     r = run("estimate", "--params", "7.5e9", "--gpus", "8", "--config",
-            str(CONFIGS / "seed_004g_stage1_offload_param_WRONG.json"))
+            str(CONFIGS / "source_004g_stage1_offload_param_WRONG.json"))
     assert r.returncode == 2
     assert "zero_optimization.offload_param" in r.stderr and "Traceback" not in r.stderr
 

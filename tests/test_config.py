@@ -10,7 +10,7 @@ import zerolab as zl
 from zerolab.config import Config, ConfigError, OffloadConfig, ZeroConfig
 
 CONFIGS = pathlib.Path(__file__).parent / "configs"
-SEEDS = sorted(p for p in CONFIGS.glob("seed_*.json") if "WRONG" not in p.name)
+SOURCES = sorted(p for p in CONFIGS.glob("source_*.json") if "WRONG" not in p.name)
 
 
 AUTO = r'"auto" replaced'
@@ -39,8 +39,8 @@ def test_defaults_match_interfaces():
     assert parse({"zero_optimization": {"stage": 3}}).zero.overlap_comm is True   # DeepSpeed's stage-3 default
 
 
-@pytest.mark.parametrize("path", SEEDS, ids=lambda p: p.name)
-def test_every_seed_config_is_accepted(path):
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
+def test_every_source_config_is_accepted(path):
     raw_text = path.read_text(encoding="utf-8")
     cfg = parse(path, allow=(AUTO,) if '"auto"' in raw_text else ())
     if '"stage": 3' in raw_text:
@@ -48,29 +48,29 @@ def test_every_seed_config_is_accepted(path):
     assert parse(path, allow=(AUTO,) if "\"auto\"" in raw_text else ()) == cfg and Config.from_any(cfg) is cfg
 
 
-def test_seed_values_read_exactly():
-    c = parse(CONFIGS / "seed_000_megatron_stage3.json", world_size=128)
+def test_source_values_read_exactly():
+    c = parse(CONFIGS / "source_000_megatron_stage3.json", world_size=128)
     assert (c.train_batch_size, c.gradient_accumulation_steps, c.train_micro_batch_size_per_gpu) == (1536, 12, 1)
     assert c.zero.reduce_bucket_size == 500_000_000 and c.zero.stage3_param_persistence_threshold == 1_000_000
     assert c.zero.sub_group_size == 10**9 and c.zero.offload_optimizer.device == "cpu"
     assert c.zero.offload_optimizer.pin_memory is True and c.precision == "mixed" and c.fp16.loss_scale_window == 100
     assert c.optimizer.type == "adamw" and c.optimizer.params == {"lr": 6e-5, "weight_decay": 0.01}
-    b = parse(CONFIGS / "seed_004b_stage3_8xA100.json", world_size=8)
+    b = parse(CONFIGS / "source_004b_stage3_8xA100.json", world_size=8)
     assert b.train_micro_batch_size_per_gpu == 1 and b.zero.allgather_bucket_size == 10**9
     assert b.ignored == ("steps_per_print",) and any("steps_per_print" in n for n in b.notes)
-    assert parse(CONFIGS / "seed_001a_stage2_fragment.json").zero.reduce_bucket_size == 500_000_000
-    assert parse(CONFIGS / "seed_001b_stage3_offload.json").zero.offload_optimizer.buffer_count == 4
-    chatglm = parse(CONFIGS / "seed_001c_chatglm_stage2.json", allow=(AUTO,))
+    assert parse(CONFIGS / "source_001a_stage2_fragment.json").zero.reduce_bucket_size == 500_000_000
+    assert parse(CONFIGS / "source_001b_stage3_offload.json").zero.offload_optimizer.buffer_count == 4
+    chatglm = parse(CONFIGS / "source_001c_chatglm_stage2.json", allow=(AUTO,))
     assert chatglm.train_micro_batch_size_per_gpu is None and chatglm.gradient_clipping == 1.0   # "auto"
-    fp16 = parse(CONFIGS / "seed_004d_fp16.json").fp16
+    fp16 = parse(CONFIGS / "source_004d_fp16.json").fp16
     assert (fp16.enabled, fp16.loss_scale, fp16.hysteresis, fp16.min_loss_scale) == (True, 0.0, 2, 1.0)
-    assert parse(CONFIGS / "seed_004e_activation_checkpointing.json").ignored == ("activation_checkpointing",)
-    assert parse(CONFIGS / "seed_004c_flops_profiler.json").ignored == ("flops_profiler",)
+    assert parse(CONFIGS / "source_004e_activation_checkpointing.json").ignored == ("activation_checkpointing",)
+    assert parse(CONFIGS / "source_004c_flops_profiler.json").ignored == ("flops_profiler",)
 
 
-def test_seed_with_offload_param_under_stage1_is_rejected():
+def test_source_config_with_offload_param_under_stage1_is_rejected():
     with pytest.raises(ConfigError) as err:
-        Config.from_deepspeed(CONFIGS / "seed_004g_stage1_offload_param_WRONG.json")
+        Config.from_deepspeed(CONFIGS / "source_004g_stage1_offload_param_WRONG.json")
     msg = str(err.value)
     assert "zero_optimization.offload_param" in msg and "stage 3" in msg and "stage 1" in msg
 

@@ -119,3 +119,15 @@ def test_frozen_twins_are_drawn_as_units_of_their_own(runs):
     assert set(fz.lifetimes(run["events"])) <= set(range(len(names)))       # every event's unit has a row
     _, alt = fz.step_figure(run["events"], run["table"])
     assert "(frozen)" in alt
+
+
+def test_packed_lanes_give_concurrent_gathers_rows_of_their_own():
+    from zerolab.book.figures_zero3 import packed_lanes
+    from zerolab.engine import events as ev
+    trace = [(ev.GATHER_ISSUED, 0, 0.0), (ev.GATHER_ISSUED, 1, 0.1), (ev.GATHER_DONE, 0, 0.5),
+             (ev.GATHER_DONE, 1, 0.6), (ev.GATHER_ISSUED, 2, 0.7), (ev.GATHER_DONE, 2, 0.8)]
+    rows, labels = packed_lanes([trace])
+    gathers = [row for row, label in zip(rows, labels) if "all-gather" in label]
+    assert [len(r) for r in gathers] == [2, 1] and sum(map(len, gathers)) == 3   # 0 and 2 share a row, 1 its own
+    for row in gathers:
+        assert all(a[2] <= b[1] for a, b in zip(row, row[1:]))                # no two bars of a row overlap

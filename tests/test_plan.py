@@ -101,3 +101,47 @@ def test_bad_inputs():
         zl.choose_stage(7e9, 8, 80 * GB, node="dgx-a100", margin=1)
     with pytest.raises(ValueError, match="needs node"):
         zl.choose_stage(7e9, 8, 80 * GB)
+
+
+# ---- the full step: compute, communication, offload traffic, CPU optimizer (theory.hardware) ----
+
+def test_seventy_b_on_one_node_is_bound_by_the_cpu_adam():
+    from zerolab.theory import HARDWARE, offload_seconds
+    hw = HARDWARE["dgx-a100"]
+    act = zl.activation_memory(80, 8192, 64, 2048, 1, checkpointing=True)
+    compute = 8 * 70e9 * 2048 / hw.flops
+    p = zl.choose_stage(70e9, 8, 80 * GB, act, hardware="dgx-a100", compute_seconds=compute)
+    assert p.name == "ZeRO-3 + offload_optimizer=cpu"
+    t = offload_seconds(70e9, 8, 2048, 1, "cpu", "none", hw)
+    assert p.times["offload"] == pytest.approx(t["optimizer: PCIe (grads down, params up)"])      # 1.4 s
+    assert p.times["optimizer"] == pytest.approx(t["optimizer: CPU Adam (host memory)"])          # 14 s
+    assert p.binding == "optimizer" and p.times["optimizer"] > p.times["compute"] > p.times["comm"]
+    assert p.choice.step_seconds == pytest.approx(sum(p.times.values()))
+    nvme = next(c for c in p.candidates if c.offload_optimizer == "nvme")
+    assert nvme.times["offload"] > p.times["offload"] and nvme.times["comm"] == pytest.approx(p.times["comm"])
+
+
+def test_without_offload_the_binding_term_is_compute_or_comm():
+    p = zl.choose_stage(7e9, 8, 80 * GB, node="dgx-a100", compute_seconds=1.0)
+    assert p.times["offload"] == p.times["optimizer"] == 0 and p.binding == "compute"
+    one = zl.choose_stage(7e9, 64, 80 * GB, node=NODES["dgx-a100"].with_nics(1, 1e9 / 8), compute_seconds=1.0)
+    assert one.binding == "comm"
+
+
+def test_hardware_presets_are_checked_and_named():
+    from zerolab.theory import HARDWARE, Hardware, get_hardware
+    assert get_hardware("dgx-a100") is HARDWARE["dgx-a100"]
+    with pytest.raises(ValueError, match="unknown hardware"):
+        get_hardware("dgx-z100")
+    with pytest.raises(ValueError, match="nvme_drives"):
+        HARDWARE["dgx-a100"].with_(nvme_drives=0)
+    for hw in HARDWARE.values():
+        assert isinstance(hw, Hardware) and hw.cpu_adam == hw.host_memory / 30 and hw.nvme == hw.nvme_drives * hw.nvme_drive
+    with pytest.raises(ValueError, match="node=, link= or hardware="):
+        zl.choose_stage(7e9, 8, 80 * GB)
+
+
+def test_gpu_peaks_and_ridge_points():
+    from zerolab.theory import GPUS
+    assert [round(g.ridge) for g in GPUS.values()] == [153, 295, 206, 281]     # FLOPs per HBM byte
+    assert GPUS["H200"].bf16 == GPUS["H100"].bf16 and GPUS["H200"].hbm > GPUS["H100"].hbm

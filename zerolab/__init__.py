@@ -31,6 +31,8 @@ _EXPORTS = {
     "LINKS": "zerolab.theory.network",
     "Node": "zerolab.theory.nodes",
     "NODES": "zerolab.theory.nodes",
+    "Hardware": "zerolab.theory.hardware",
+    "HARDWARE": "zerolab.theory.hardware",
     "choose_stage": "zerolab.theory.plan",
     # runtime (chapters 0, 2); `launch` itself is imported eagerly below
     "LaunchError": "zerolab.runtime.collect",

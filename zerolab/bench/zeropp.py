@@ -10,7 +10,7 @@ gathers each unit for forward and backward and reduces its gradients once):
   inter-node link (``--inter-gbps``, default 0.1 Gb/s = 12.5 MB/s, 200 us:
   a network sized so that a 0.3M-parameter model's traffic weighs on a CPU
   step as a large model's does on a 100 Gb/s cluster), next to the time
-  model (compute measured without a link + alpha-beta time of the predicted
+  model (an upper bound: the step measured without a link + alpha-beta time of the predicted
   collectives), ratio printed;
 * accuracy: ``--steps`` (default 200) Adam steps per variant, the final loss
   (mean of the last 10 steps) against exact ZeRO-3; the error of one SGD

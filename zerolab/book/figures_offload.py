@@ -11,6 +11,7 @@ Each returns ``(fig, alt)`` for ``plots.show(fig, alt=alt)``, as ``zerolab.book.
 from __future__ import annotations
 
 from zerolab.theory import offload as cost
+from zerolab.theory.hardware import get_hardware
 from zerolab.theory.memory import estimate
 
 TIERS = ("total", "host", "nvme")           # estimate's fields: device (model states), host, NVMe
@@ -41,7 +42,7 @@ def tier_figure(psi=7e9, n=8, settings=SETTINGS, ax=None):
     ax.set_xticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
     ax.set_ylabel("GB per rank (model states)")
     ax.set_title(f"Where the bytes live: Ψ = {psi / 1e9:g}B, N = {n}, mixed-precision Adam (zl.estimate)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))    # beside the bars, not over them
     alt = (f"Stacked bars of model-state bytes per rank for Ψ = {psi / 1e9:g}B on {n} ranks: "
            + "; ".join(r["label"].replace("\n", ", ") + ": " + ", ".join(
                f"{TIER_NAMES[t]} {r[t] / 1e9:.2f} GB" for t in TIERS) for r in rows) + ".")
@@ -50,7 +51,7 @@ def tier_figure(psi=7e9, n=8, settings=SETTINGS, ax=None):
 
 def path_bytes(hw=None) -> dict:
     """Bytes per owned parameter per optimizer step on each path, from ``offload_seconds``' terms."""
-    hw = hw or cost.Hardware()
+    hw = get_hardware(hw or "dgx-a100")
     psi, n = 1e9, 1                        # shard = psi: seconds × bandwidth / shard = bytes per parameter
     t = cost.offload_seconds(psi, n, 1, 1, "nvme", "none", hw)
     per_gpu = hw.gpus_per_node

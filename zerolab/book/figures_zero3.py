@@ -216,3 +216,24 @@ def moment_figure(events_per_rank, units, moments, bytes_per_element: int = 2):
            f"trace. Every rank always holds its own 1/{n} slice of every unit ({shard:,} elements, "
            f"{shard * bytes_per_element:,} bytes of 16-bit parameters). " + "; ".join(said) + ".")
     return fig, alt
+
+
+def packed_lanes(events_per_rank) -> tuple[list, list[str]]:
+    """Rows for ``plots.plot_timeline`` like ``events.lanes``, but collectives in flight at the same
+    time get rows of their own (greedy, in start order), so every all-gather is a bar you can count."""
+    rows, labels = [], []
+    for r, events in enumerate(events_per_rank):
+        s = ev.spans(events)
+        for lane in ("compute", "all-gather", "reduce-scatter"):
+            bars = sorted(((kind, start, end) for kind, start, end, ln in s if ln == lane), key=lambda b: b[1])
+            packed = []                                   # each: the bars of one row, none overlapping
+            for bar in bars:
+                row = next((p for p in packed if lane == "compute" or p[-1][2] <= bar[1]), None)
+                if row is None:
+                    packed.append([bar])
+                else:
+                    row.append(bar)
+            for k, row in enumerate(packed or [[]]):
+                rows.append(row)
+                labels.append(f"rank {r} {lane}" + (f" {k + 1}" if len(packed) > 1 else ""))
+    return rows, labels

@@ -216,23 +216,38 @@ def timeline(run, step=-1) -> list:
 
 
 def exposed_comm(run, overlap, skip=1) -> float:
-    """Seconds per step this rank spent waiting for collectives (median over steps after ``skip``):
-    each gradient reduction's whole duration without ``overlap_comm`` (it blocks backward), only
-    the part that outlived backward with it; plus the parameter all-gathers after the step
-    (stages 1-2 wait for them)."""
-    return statistics.median([_exposed(run, overlap, s) for s in range(skip, len(run["events"]))])
+    """Seconds per step this rank spent blocked on collectives (median over steps after ``skip``).
+
+    The rank is blocked during each gradient reduction's whole duration without ``overlap_comm``
+    (it blocks backward), only during the part that outlives backward with it, and during the
+    parameter all-gathers after the step (stages 1-2 wait for them). Collectives in flight at the
+    same time block the rank once: the exposed time is the length of the *union* of these
+    intervals, never more than the step.
+    """
+    return statistics.median([_union_length(blocked_intervals(run, overlap, s))
+                              for s in range(skip, len(run["events"]))])
 
 
-def _exposed(run, overlap, step) -> float:
+def blocked_intervals(run, overlap, step=-1) -> list:
+    """``[(start, end)]``: the intervals of one step in which this rank waited on a collective."""
     rows = timeline(run, step)
     bwd_end = max(e for k, _, e in rows[0][1] if k == "backward")
-    total = 0.0
+    out = []
     for label, spans in rows[1:]:
         for kind, s, e in spans:
             if kind == "grad reduction" and overlap:
-                total += max(0.0, e - max(s, bwd_end))
-            else:
-                total += e - s
+                s = max(s, bwd_end)
+            if e > s:
+                out.append((s, e))
+    return out
+
+
+def _union_length(spans) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e > end:
+            total += e - max(s, end)
+            end = e
     return total
 
 

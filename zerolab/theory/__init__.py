@@ -10,7 +10,7 @@ Files: ``checks`` (argument checks both models share), ``memory`` (model states:
 stage, Table 1), ``activations``, ``ds_estimate`` (DeepSpeed's estimator), ``comm``,
 ``network`` (links and the ring's bytes), ``nodes`` (GPUs and NICs per node: the one
 topology model), ``published`` (the node model against published figures), ``plan``
-(``choose_stage``), ``offload``. Nothing here imports
+(``choose_stage``), ``offload``, ``hardware`` (the presets: nodes, PCIe, NVMe, CPU Adam). Nothing here imports
 anything of zerolab's outside this folder.
 """
 from zerolab.theory.activations import activation_memory
@@ -22,7 +22,8 @@ from zerolab.theory.memory import (DEVICES, GB, OPTIMIZERS, PRECISIONS, TABLE1_D
                                    zero_table1)
 from zerolab.theory.network import LINKS, OPS, Link, get_link, ring_bytes, ring_steps
 from zerolab.theory.nodes import NODES, Node, get_node
-from zerolab.theory.offload import Hardware, offload_seconds, slowdown
+from zerolab.theory.hardware import GPU, GPUS, HARDWARE, Hardware, get_hardware, offload_step_seconds
+from zerolab.theory.offload import offload_seconds, slowdown
 from zerolab.theory.plan import Plan, choose_stage
 
 __all__ = ["STAGES", "check_psi_n", "CommOp", "comm_breakdown", "comm_volume", "split_intra_inter",
@@ -30,5 +31,5 @@ __all__ = ["STAGES", "check_psi_n", "CommOp", "comm_breakdown", "comm_volume", "
            "DeepSpeedEstimate", "Estimate", "activation_memory", "bytes_per_param", "deepspeed_estimate", "estimate",
            "gathered_working_set",
            "format_paper_gb", "table1_text", "zero_table1", "LINKS", "OPS", "Link", "get_link", "ring_bytes",
-           "ring_steps", "NODES", "Node", "get_node", "Hardware", "offload_seconds", "slowdown", "Plan",
+           "ring_steps", "NODES", "Node", "get_node", "GPU", "GPUS", "HARDWARE", "Hardware", "get_hardware", "offload_step_seconds", "offload_seconds", "slowdown", "Plan",
            "choose_stage"]

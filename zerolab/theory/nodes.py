@@ -16,8 +16,8 @@ A ring collective over ``n`` ranks of such nodes (NCCL's ring algorithm):
         min(intra-node bandwidth, nics x nic_bandwidth)
 
   A DGX A100 (8 x 200 Gb/s = 200 GB/s < NVLink's 300) is set by its NICs; a
-  node with one 100 GbE NIC runs every cross-node ring at 12.5 GB/s. (The old
-  single-link model charged the whole ring to one NIC: 8x too slow for a DGX.)
+  node with one 100 GbE NIC runs every cross-node ring at 12.5 GB/s. (Charging
+  the whole ring to one NIC would make a DGX 8x too slow.)
 
 Bandwidths are line rates per direction; ``theory.published`` sets the model
 against published nccl-tests and ZeRO++ figures (the model is 4-25 % optimistic).
@@ -106,7 +106,7 @@ def get_node(node) -> Node | None:
 
 
 def node_from_links(link, inter_link=None, gpus_per_node=None) -> Node:
-    """The node the older (link, inter_link, gpus_per_node) arguments describe: ``link`` inside,
+    """The node the (link, inter_link, gpus_per_node) arguments describe: ``link`` inside,
     ONE NIC of ``inter_link``'s speed per node (so a cross-node ring runs at that NIC's speed).
     Without ``gpus_per_node`` every rank is in one node and ``link`` carries everything."""
     intra = get_link(link)

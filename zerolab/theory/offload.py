@@ -14,30 +14,21 @@ Per rank, per optimizer step, mixed-precision Adam (2-byte params and grads,
     params "nvme"    the same 4Ψ/N read from NVMe, plus 2Ψ/N written per step
 
 Host memory and NVMe are shared by the ``gpus_per_node`` ranks of a node, so
-each rank gets 1/gpus_per_node of them. The optimizer terms do not grow with
+each rank gets 1/gpus_per_node of them. The bandwidths are a ``theory.HARDWARE``
+preset (``theory.hardware``, where each number is cited). The optimizer terms do not grow with
 tokens or gas; the parameter terms grow with gas and do not shrink with more
 tokens per micro-step — which is the whole "when to offload" argument.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-GB = 10**9
+from zerolab.theory.hardware import Hardware, get_hardware
 
 
-@dataclass
-class Hardware:
-    """Per-node bandwidths (bytes/s) and per-GPU compute (FLOP/s achieved)."""
-    flops: float = 312e12 * 0.4      # A100 bf16 peak x 40% utilisation
-    pcie: float = 25 * GB            # PCIe 4.0 x16, achieved host<->device per direction
-    host_memory: float = 150 * GB    # CPU memory bandwidth of the node (two sockets, achieved)
-    nvme: float = 6 * GB             # the node's NVMe read/write bandwidth (one PCIe 4.0 drive)
-    gpus_per_node: int = 8
-
-
-def offload_seconds(psi, n_gpus, tokens, gas=1, optimizer="none", params="none", hw: Hardware = Hardware()) -> dict:
-    """Seconds per optimizer step, by term, for one rank (see the module docstring)."""
-    shard = psi / n_gpus
+def offload_seconds(psi, n_gpus, tokens, gas=1, optimizer="none", params="none",
+                    hw: Hardware | str = "dgx-a100") -> dict:
+    """Seconds per optimizer step, by term, for one rank (see the module docstring); ``hw`` a
+    ``theory.HARDWARE`` preset (name or ``Hardware``)."""
+    hw, shard = get_hardware(hw), psi / n_gpus
     host_bw, nvme_bw = hw.host_memory / hw.gpus_per_node, hw.nvme / hw.gpus_per_node
     out = {"compute": 6 * psi * tokens * gas / hw.flops}
     if optimizer != "none":
@@ -52,7 +43,7 @@ def offload_seconds(psi, n_gpus, tokens, gas=1, optimizer="none", params="none",
     return out
 
 
-def slowdown(psi, n_gpus, tokens, gas=1, optimizer="none", params="none", hw: Hardware = Hardware()) -> float:
+def slowdown(psi, n_gpus, tokens, gas=1, optimizer="none", params="none", hw: Hardware | str = "dgx-a100") -> float:
     """Fraction of extra time over compute alone, if no transfer overlaps compute (an upper bound)."""
     t = offload_seconds(psi, n_gpus, tokens, gas, optimizer, params, hw)
     return (sum(t.values()) - t["compute"]) / t["compute"]
