@@ -37,6 +37,7 @@ from zerolab.runtime.comm import Communicator
 from zerolab.engine.flat import FlatParams
 from zerolab.engine.groups import resolve_groups, unit_runs
 from zerolab.engine.bigmodel.materialize import check_initialised, materialize
+from zerolab.engine.accumulate import keep_reduced_once
 from zerolab.engine.api import EngineAPI
 from zerolab.engine.buckets import GradientBuckets
 from zerolab.engine.optim import ShardedOptimizer, clip_coefficient, make_scheduler, sum_of_squares
@@ -108,6 +109,7 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._reducing, self._reduced_unstepped, self._fired, self._in_backward = False, False, set(), False
         self._seen = set()   # parameters this rank saw a gradient for since the last step (unused.py)
+        self.backwards_this_micro_step = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.flat.params()]
         self.events = [] if cfg.trace else None  # timeline: (event, bucket or -1, perf_counter seconds)
         self.checkpoint_stats = {}   # bytes and seconds of the last save/load (checkpoint/save.py)
@@ -160,9 +162,9 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss / gradient_accumulation_steps (x the fp16 loss scale), then autograd."""
+        self.backwards_this_micro_step += 1   # a second one before step() adds to the first (accumulate.py)
         if self._reduced_unstepped:
-            raise RuntimeError("backward() was called twice at the accumulation boundary without step(): the "
-                               "gradients were already reduced. Call engine.step() after every engine.backward()")
+            keep_reduced_once(self)
         self._reducing = self.reduce_every_micro_step or self.is_gradient_accumulation_boundary()
         self._reduced_unstepped = self._reducing and not self.reduce_every_micro_step
         self.reset_buckets()
@@ -199,7 +201,7 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
     def step(self) -> None:
         """Called every micro-batch; updates the parameters at the accumulation boundary."""
         self.micro_steps += 1
-        self._reduced_unstepped = False
+        self._reduced_unstepped, self.backwards_this_micro_step = False, 0
         if self.micro_steps % self.gas:
             return
         self.event(ev.STEP_START)

@@ -37,6 +37,7 @@ from zerolab.engine.buckets import UnitStaging
 from zerolab.engine.collectives import all_reduce_own_slices, reduce_groups
 from zerolab.engine.stage1 import Stage1Engine
 from zerolab.runtime.measure import storage_bytes
+from zerolab.engine.accumulate import first_backward_of_step
 
 
 class Stage2Engine(Stage1Engine):
@@ -115,7 +116,7 @@ class Stage2Engine(Stage1Engine):
                     if id(p) not in self._fired:
                         view[a:b].zero_()
         dests = [self.flat.shard_view(self.grad_shard, u) for u in units]
-        first = self.micro_steps % self.gas == 0   # first micro-batch of the step: the shard is zero
+        first = first_backward_of_step(self)   # the step's first backward writes the shard, later ones add
         self.announce(i)
         if self.grad_collective == "reduce_scatter":   # one unit: its layout is its N shards
             outs = [dests[0] if first else torch.empty_like(dests[0])]

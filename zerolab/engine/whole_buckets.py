@@ -20,6 +20,7 @@ import torch
 
 from zerolab.engine.buckets import GradientBuckets, rank_major_pieces
 from zerolab.runtime.measure import storage_bytes
+from zerolab.engine.accumulate import first_backward_of_step
 
 
 class WholeBucketStaging:
@@ -76,7 +77,7 @@ class WholeBucketStaging:
         """Reduce-scatter bucket ``i``'s rank-major staging into this rank's gradient shard; free it."""
         staging, self._staging[i] = self._staging_buffer(i), None
         dest = self._bucket_shard(i)
-        first = self.micro_steps % self.gas == 0
+        first = first_backward_of_step(self)
         out = dest if first else torch.empty_like(dest)
         h = self.communicator.reduce_scatter(out, staging, async_op=self.overlap_comm, tag=f"grad-bucket-{i}")
         self.track(h, None if first else (lambda: dest.add_(out)), (staging,) if first else (staging, out), i)

@@ -25,6 +25,7 @@ from zerolab.engine.buckets import rank_major
 from zerolab.engine.offload.nvme import NVMeError
 from zerolab.engine.offload.optimizer import OffloadOptimizer
 from zerolab.runtime.measure import storage_bytes
+from zerolab.engine.accumulate import first_backward_of_step
 
 
 class OffloadMixin:
@@ -61,7 +62,7 @@ class OffloadMixin:
             torch._foreach_copy_(dest, [d.to(self.precision.grad_dtype) for d in dest])
 
     def _first_micro_step(self) -> bool:
-        return self.stage == 1 or self.micro_steps % self.gas == 0
+        return self.stage == 1 or first_backward_of_step(self)
 
     def reduce_scatter_grads(self, i: int) -> None:
         """Reduce-scatter bucket ``i`` into a device temporary; its shard then leaves for the host."""

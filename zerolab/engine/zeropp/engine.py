@@ -42,6 +42,7 @@ from zerolab.engine.whole_buckets import WholeBucketStaging
 from zerolab.engine.zeropp.quantize import pack, unpack
 from zerolab.engine.stage3 import Stage3Engine
 from zerolab.runtime.measure import storage_bytes
+from zerolab.engine.accumulate import first_backward_of_step
 
 
 class Then:
@@ -201,7 +202,7 @@ class ZeroPPEngine(WholeBucketStaging, Stage3Engine):
                 reduced.copy_(out)
             else:
                 torch._foreach_copy_([reduced[a: a + s] for a, s, _ in part], list(out.float().split([s for _, s, _ in part])))
-        if self.micro_steps % self.gas == 0:   # first micro-batch of the step: the shard is zero
+        if first_backward_of_step(self):   # the step's first backward writes the shard, later ones add
             dest.copy_(reduced)
         else:
             dest.add_(reduced)
