@@ -57,8 +57,6 @@ def saved(family, directory):
     return str(directory / "model.safetensors")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 item 1: RoPE inv_freq (a non-persistent buffer) is never "
-                                       "computed for a meta-built Llama; every forward raises")
 def test_meta_llama_from_its_save_pretrained_file_trains_like_the_built_model(tmp_path):
     check_meta("llama", saved("llama", tmp_path))
 
@@ -117,8 +115,6 @@ def lora_meta_worker(base_sd, stages=STAGES):
     return out if rank == 0 else None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 item 6: a meta-built LoRA model gets random lora_B from "
-                                       "nn.Linear.reset_parameters, not PEFT's zeros")
 def test_peft_lora_built_on_meta_starts_as_its_base_model():
     base = build("gpt2")
     with torch.no_grad():
@@ -158,8 +154,6 @@ def test_peft_counts_parameters_at_stages_0_2(peft_counts):
     assert want[0] < want[1] and all(got[s] == (want, True) for s in (0, 1, 2)), (got, want)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 item 7: at stage 3 released parameters are empty and carry no "
-                                       "ds_numel/ds_shape, so PEFT counts 0")
 def test_peft_counts_parameters_at_stage3(peft_counts):
     got, want = peft_counts
     assert got[3] == (want, True), (got[3], want)
@@ -212,8 +206,7 @@ def buffer_worker(meta, stages=STAGES):
 
 @pytest.mark.parametrize("meta", [
     False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="issue 25 item 1: a meta model's buffer set "
-                                               "after initialize stays 'uninitialised'; forward raises")),
+    True,
 ])
 def test_buffer_set_after_initialize_is_used(meta):
     got = zl.launch(buffer_worker, world_size=2, args=(meta,), timeout=120, threads=1)[0]
@@ -242,8 +235,6 @@ def own_init_worker(stages=STAGES):
     return out if dist.get_rank() == 0 else None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 item 1: a meta-built HF model gets nn.Linear's reset_parameters "
-                                       "(not its _init_weights), no norm weights and no RoPE frequencies")
 def test_meta_llama_without_a_file_gets_its_own_initialisation():
     """HF's _init_weights: Linear weights N(0, initializer_range = 0.02), norm weights 1; the
     rotary frequencies computed in __init__ (measured: nn.Linear's kaiming init gives std ~0.1)."""

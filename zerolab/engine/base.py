@@ -36,7 +36,7 @@ from zerolab.engine import events as ev
 from zerolab.runtime.comm import Communicator
 from zerolab.engine.flat import FlatParams
 from zerolab.engine.groups import resolve_groups, unit_runs
-from zerolab.engine.bigmodel.materialize import check_initialised, materialize
+from zerolab.engine.bigmodel.materialize import buffer_marks, check_initialised, materialize
 from zerolab.engine.accumulate import keep_reduced_once
 from zerolab.engine.api import EngineAPI
 from zerolab.engine.buckets import GradientBuckets
@@ -97,6 +97,7 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
             for k, b in m._buffers.items():
                 if b is not None and b.is_floating_point():
                     m._buffers[k] = b.to(self.precision.compute_dtype)
+        self._buffer_marks = buffer_marks(model, self.uninitialised)
         self._broadcast_initial_state()
 
         self.build_buckets(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size)
@@ -150,7 +151,7 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
     # ---------------------------------------------------------------- the training loop
     def forward(self, *args, **kwargs):
         if self.uninitialised:
-            check_initialised(self.uninitialised)
+            check_initialised(self.uninitialised, self._buffer_marks)
         if self.precision.compute_dtype != torch.float32:
             args, kwargs = cast_floats(args, self.precision.compute_dtype), cast_floats(kwargs, self.precision.compute_dtype)
         return self.module(*args, **kwargs)

@@ -48,6 +48,8 @@ def with_twins(flat, frozen_flat):
     for u in units:
         for name, p in u.params:
             p._zl_name, p._zl_class = name, type(p)
+            # the full size, read by DeepSpeed-aware tools (PEFT, transformers) when a parameter is released
+            p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()
     return units, full, [list(zip((p for _, p in u.params), views[i])) for i, u in enumerate(units)]
 
 

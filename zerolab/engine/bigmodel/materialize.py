@@ -68,8 +68,12 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
         if isinstance(m, nn.modules.batchnorm._NormBase):
             norm_stats[id(m)] = [f"{mname}.{k}" if mname else k for k in m._buffers if (id(m), k) in meta_buffers]
 
+    hf = hf_model(model)   # a Hugging Face model initialises its modules its own way (_init_weights)
+    lora = {id(m): part for n, m in model.named_modules() for part in ("lora_A", "lora_B") if f".{part}." in f".{n}."}
+
     def build(members: set, modules) -> None:
-        """Reset the modules whose direct parameters are all among ``members`` (rank 0)."""
+        """Initialise the modules whose direct parameters are all among ``members`` (rank 0) as their
+        own construction would: ``reset_parameters()``, then a Hugging Face model's ``_init_weights``."""
         for m in modules:
             own = list(m.parameters(recurse=False))
             if not any(id(p) in pending for p in own) or not all(id(p) in members for p in own):
@@ -77,9 +81,9 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
             for p in own:
                 if p.is_meta:   # a frozen parameter of this module: whole, on the flat buffer's device
                     set_data(p, torch.zeros(p.shape, dtype=flat.dtype, device=flat.device))
-            if hasattr(m, "reset_parameters"):
+            if hasattr(m, "reset_parameters") or hf is not None:
                 if rank == 0:
-                    m.reset_parameters()
+                    construct(m, hf, lora.get(id(m)))
                 pending.difference_update(id(p) for p in own)
                 uninit.difference_update(norm_stats.get(id(m), ()))
 
@@ -145,8 +149,39 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
             set_data(p, torch.zeros(p.shape, dtype=flat.dtype, device=flat.device))
         elif p.device != flat.device or p.dtype != flat.dtype:
             p.data = p.data.to(device=flat.device, dtype=flat.dtype)
+    if hf is not None:   # buffers computed in __init__ (RoPE's inv_freq): the model's own init recomputes them
+        for mname, m in model.named_modules():
+            ks = [k for k in m._buffers if (id(m), k) in meta_buffers]
+            if ks and not list(m.parameters(recurse=False)):
+                before = {k: m._buffers[k]._version for k in ks}
+                hf._init_weights(m)
+                uninit.difference_update(f"{mname}.{k}" if mname else k for k in ks
+                                         if m._buffers[k]._version != before[k])
     uninit.update(names[i] for i in pending)
     return uninit
+
+
+def hf_model(model: nn.Module):
+    """The Hugging Face ``PreTrainedModel`` in ``model`` (the model itself, or the base of a PEFT
+    wrapper), or None."""
+    for m in model.modules():
+        if callable(getattr(m, "_init_weights", None)) and hasattr(m, "config"):
+            return m
+    return None
+
+
+def construct(m: nn.Module, hf, lora: str | None = None) -> None:
+    """Module ``m``'s values as its construction gives them: its constructor's ``reset_parameters()``,
+    then, in a Hugging Face model, what ``post_init`` does to it (``_init_weights``). A PEFT LoRA
+    adapter is PEFT's, added after ``post_init``: A as ``nn.Linear`` builds it, B zeros (PEFT's default
+    ``init_lora_weights=True``), so the adapted model starts as its base model."""
+    if hasattr(m, "reset_parameters"):
+        m.reset_parameters()
+    if lora == "lora_B":
+        for p in m.parameters(recurse=False):
+            p.zero_()
+    elif hf is not None and lora is None:
+        hf._init_weights(m)
 
 
 def set_data(p: nn.Parameter, t: torch.Tensor) -> None:
@@ -158,8 +193,24 @@ def set_data(p: nn.Parameter, t: torch.Tensor) -> None:
     p.data = t
 
 
-def check_initialised(uninit: set) -> None:
-    """Raise if tensors of a meta-device model never got values."""
+def buffer_marks(model: nn.Module, uninit: set) -> dict:
+    """name -> (module, key, placeholder, its version) for the uninitialised buffers, so a buffer the user
+    sets after ``initialize`` — by assignment or in place — counts as set (``check_initialised``)."""
+    out = {}
+    for mname, m in model.named_modules():
+        for k, b in m._buffers.items():
+            name = f"{mname}.{k}" if mname else k
+            if name in uninit and b is not None:
+                out[name] = (m, k, b, b._version)
+    return out
+
+
+def check_initialised(uninit: set, marks: dict | None = None) -> None:
+    """Raise if tensors of a meta-device model never got values (a buffer replaced or written since
+    ``initialize`` has them)."""
+    for name, (m, k, b, version) in (marks or {}).items():
+        if name in uninit and (m._buffers.get(k) is not b or b._version != version):
+            uninit.discard(name)
     if uninit:
         names = sorted(uninit)
         raise RuntimeError(
@@ -167,4 +218,4 @@ def check_initialised(uninit: set) -> None:
             f"{names[:5]}{' ...' if len(names) > 5 else ''}. Their modules have no reset_parameters() (or "
             f"share a parameter with another unit); load them with engine.load_state_dict(state_dict_or_path) "
             f"before the first forward (a buffer that is not in the state dict, registered with persistent=False, "
-            f"must be set on the module after zl.initialize)")
+            f"can also be set on the module after zl.initialize, in place or by assignment)")
