@@ -23,10 +23,11 @@ ALLOWED = {
     "config": {"theory"},
     "runtime": {"theory"},
     "engine": {"theory", "config", "runtime"},
+    "parallel": {"theory", "runtime"},
     "book": {"theory", "config", "runtime", "engine"},
     "grading": {"theory", "config", "runtime", "engine", "book"},
     "bench": {"theory", "config", "runtime", "engine", "book"},
-    "top": {"theory", "config", "runtime", "engine", "book", "grading", "bench", "top"},
+    "top": {"theory", "config", "runtime", "engine", "parallel", "book", "grading", "bench", "top"},
 }
 NO_TORCH = {"theory", "config"}
 TOP_FILES = {"__init__.py", "__main__.py", "cli.py"}

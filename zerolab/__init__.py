@@ -37,6 +37,8 @@ _EXPORTS = {
     "CommLedger": "zerolab.runtime.comm",
     "census": "zerolab.runtime.measure",
     "MemoryReport": "zerolab.runtime.measure",
+    "mesh": "zerolab.runtime.mesh",                       # 3D: dp x tp x pp (chapter 11)
+    "Mesh": "zerolab.runtime.mesh",
     # engines (chapters 3-9)
     "initialize": "zerolab.engine",
     "gathered_parameters": "zerolab.engine",
