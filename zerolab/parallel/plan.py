@@ -1,0 +1,125 @@
+"""``zl.tensor_parallel(model, mesh, plan)``: convert a model's layers to tensor-parallel ones (chapter 11).
+
+A *plan* maps ``fnmatch`` globs over dotted module names (``"*.fc"``,
+``"blocks.*.attn.q"``), as torch's ``parallelize_module`` takes them, to a
+style:
+
+* ``"colwise"`` — an ``nn.Linear`` split by output features (its output is
+  this rank's slice); ``"colwise_gather"``: the same, output all-gathered whole;
+* ``"rowwise"`` — an ``nn.Linear`` split by input features (its input must be
+  a column-parallel layer's slice), output summed over the TP group;
+* ``"vocab"`` — an ``nn.Embedding`` split by vocabulary rows.
+
+``GPT_PLAN`` (the default) converts ``zerolab.book.models.TinyGPT``: q, k, v
+and the MLP's ``fc`` column-wise, the attention's ``proj`` and the MLP's
+``out`` row-wise, the token embedding and the tied head by vocabulary — the
+logits come out split along the vocabulary: take the loss with
+``vocab_parallel_cross_entropy``. LayerNorms, the position embedding and the
+row-parallel biases stay whole on every TP rank (their gradients are equal on
+every TP rank). A module with an ``n_head`` attribute whose children were
+split column-wise keeps ``n_head/tp`` heads.
+
+``tp_dims(model)`` lists each split parameter's dimension by name;
+``gather_tp(state, dims, mesh)`` puts a state dict's slices back together
+(the full names and shapes of the model before the conversion).
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+GPT_PLAN = {
+    "wte": "vocab",
+    "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.fc": "colwise", "blocks.*.out": "rowwise",
+    "head": "colwise",
+}
+STYLES = {"colwise": nn.Linear, "colwise_gather": nn.Linear, "rowwise": nn.Linear, "vocab": nn.Embedding}
+
+
+def _style_of(name: str, plan: dict, used: set):
+    hits = [g for g in plan if fnmatchcase(name, g)]
+    styles = {plan[g] for g in hits}
+    if len(styles) > 1:
+        raise ValueError(f"tensor_parallel: module {name!r} matches globs with different styles: "
+                         f"{ {g: plan[g] for g in hits} }")
+    used.update(hits)
+    return styles.pop() if styles else None
+
+
+def _convert(module, style, comm, memo, name):
+    want = STYLES[style]
+    if not isinstance(module, want) or type(module) not in (nn.Linear, nn.Embedding):
+        raise ValueError(f"tensor_parallel: {style!r} applies to an nn.{want.__name__}; {name!r} is a "
+                         f"{type(module).__name__}")
+    if style == "vocab":
+        return VocabParallelEmbedding(module, comm, memo, name)
+    if style == "rowwise":
+        return RowParallelLinear(module, comm, memo, name)
+    return ColumnParallelLinear(module, comm, gather_output=style == "colwise_gather", memo=memo, name=name)
+
+
+def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None) -> nn.Module:
+    """Replace, in place, each module of ``model`` whose dotted name matches a glob of ``plan``
+    (default ``GPT_PLAN``) by its tensor-parallel form over ``mesh``'s TP group; returns ``model``.
+    Every rank must call it with the same model (the values are sliced, not communicated)."""
+    plan = GPT_PLAN if plan is None else plan
+    bad = {g: s for g, s in plan.items() if s not in STYLES}
+    if bad:
+        raise ValueError(f"tensor_parallel: unknown style(s) {bad}; choose from {sorted(STYLES)}")
+    comm = mesh.communicator("tp")
+    tp, used, memo = comm.world_size, set(), {}
+    targets = [(n, m, s) for n, m in model.named_modules() if n and (s := _style_of(n, plan, used))]
+    unused = [g for g in plan if g not in used]
+    if unused:
+        names = [n for n, _ in model.named_modules() if n][:12]
+        raise ValueError(f"tensor_parallel: glob(s) {unused} match no module; module names look like {names}")
+    # check every head count before changing anything
+    heads = {}
+    for n, m in model.named_modules():
+        split = [c for c, _ in m.named_children() if f"{n}.{c}".lstrip(".") in
+                 {t[0] for t in targets if t[2].startswith("colwise")}]
+        if split and hasattr(m, "n_head"):
+            if m.n_head % tp:
+                raise ValueError(f"tensor_parallel: tp={tp} does not divide n_head={m.n_head} of {n!r}")
+            heads[n] = m
+    new = [(n, _convert(m, s, comm, memo, n)) for n, m, s in targets]   # all built (and checked) first
+    for n, layer in new:
+        parent, _, attr = n.rpartition(".")
+        setattr(model.get_submodule(parent), attr, layer)
+    for m in heads.values():
+        m.n_head //= tp
+    return model
+
+
+def tp_dims(model: nn.Module) -> dict:
+    """``{parameter name: split dimension}`` for every tensor-parallel parameter of ``model``
+    (names as ``model.named_parameters(remove_duplicate=False)`` gives them)."""
+    out = {}
+    for mname, m in model.named_modules():
+        for pname, dim in getattr(m, "tp_dims", {}).items():
+            if getattr(m, pname, None) is not None:
+                out[f"{mname}.{pname}".lstrip(".")] = dim
+    return out
+
+
+def gather_tp(state: dict, dims: dict, mesh) -> dict:
+    """``state`` (name -> tensor, this TP rank's slices) with every name in ``dims`` all-gathered
+    over the TP group along its dimension: full shapes, as before ``tensor_parallel``. A collective
+    over the TP group, in ``state``'s order: every rank passes the same names."""
+    comm = mesh.communicator("tp")
+    out = {}
+    for name, t in state.items():
+        if name not in dims or comm.world_size == 1:
+            out[name] = t
+            continue
+        t = t.detach().contiguous()
+        full = torch.empty(comm.world_size * t.numel(), dtype=t.dtype, device=t.device)
+        comm.all_gather(full, t.view(-1), tag="tp-state")
+        out[name] = torch.cat(full.view(comm.world_size, *t.shape).unbind(0), dim=dims[name])
+    return out
