@@ -32,7 +32,7 @@ __all__ = ["initialize", "gathered_parameters", "Engine", "Stage0Engine", "Stage
 ENGINES = {0: Stage0Engine, 1: Stage1Engine, 2: Stage2Engine, 3: Stage3Engine}
 
 
-def initialize(model: nn.Module, config, link=None, *, model_parameters=None) -> Engine:
+def initialize(model: nn.Module, config, link=None, *, model_parameters=None, mesh=None) -> Engine:
     """Wrap ``model`` in the engine for ``config``'s ZeRO stage (a dict, a path or a ``zl.Config``).
 
     Call it on every rank with the same model; rank 0's parameters and buffers
@@ -43,12 +43,18 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None) ->
     parameters or of dicts with per-group ``lr``, ``weight_decay``...; the config's
     optimizer params are the defaults). Raises ``ConfigError`` / ``ValueError`` for
     what the engine cannot do, before touching the model; if building the engine
-    fails later (a bad ``nvme_path``), the model is put back as it was.
+    fails later (a bad ``nvme_path``), the model is put back as it was. ``mesh``: a
+    ``zl.mesh`` (3D, chapter 11): the engine shards over its DP group only.
     """
     cfg = Config.from_any(config)
     if link is not None:  # a simulated link (zerolab.theory.network) for this engine only
         cfg = dataclasses.replace(cfg, link=link)
-    communicator = make_communicator(cfg.link)
+    communicator = make_communicator(cfg.link) if mesh is None else mesh.communicator("dp", cfg.link)
+    if mesh is not None and mesh.pp > 1:
+        raise ConfigError(f"{mesh}: pipeline parallelism (pp > 1) is not implemented yet")
+    if mesh is not None and mesh.tp > 1 and (cfg.gradient_clipping > 0 or cfg.fp16.enabled):
+        raise ConfigError(f"{mesh}: gradient_clipping and fp16 need a norm / an overflow check over the TP shards "
+                          f"as well under tensor parallelism: not implemented yet")
     cfg = cfg.with_world_size(communicator.world_size)
     _check_supported(model, cfg)
     check_zeropp(cfg.zero, cfg.precision, communicator.world_size, communicator.ranks_per_node)
