@@ -126,7 +126,7 @@ def test_tinygpt_default_plan_matches_plain_model():
         diffs = {**{f"grad {k}": v for k, v in res["grads"].items()}, **{f"param {k}": v for k, v in res["params"].items()}}
         bad = {k: v for k, v in diffs.items() if not v <= TOL}
         assert not bad, bad
-        assert res["dims"]["blocks.0.attn.q.weight"] == 0 and res["dims"]["blocks.0.out.weight"] == 1
+        assert res["dims"]["blocks.0.attn.q.weight"] == (0, 1) and res["dims"]["blocks.0.out.weight"] == (1, 1)
         assert "blocks.0.out.bias" not in res["dims"] and "blocks.0.ln1.weight" not in res["dims"]
         shapes = res["local_shapes"]   # micro: vocab 128, d_model 32
         assert shapes["wte.weight"] == (64, 32) and shapes["blocks.0.fc.weight"] == (64, 32)
@@ -166,3 +166,49 @@ def test_bad_plans_are_named():
     for got, want in zip(errors, wants):
         assert got is not None and want in got[0], (want, got)
         assert got[1], f"the model was changed before the error: {want}"
+
+
+def _hf_gpt2_worker():
+    """Hugging Face's GPT2LMHeadModel (tiny random config, nothing downloaded) converted by
+    HF_GPT2_PLAN: logits, loss and every gradient against the unconverted model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from zerolab.parallel import HF_GPT2_PLAN
+    mesh = zl.mesh(tp=2)
+    cfg = GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+
+    def build():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(cfg)
+    plain = build()
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    ref_logits = plain(x).logits
+    ref_loss = loss_fn(ref_logits[:, :-1], x[:, 1:])
+    ref_loss.backward()
+    model = tensor_parallel(build(), mesh, HF_GPT2_PLAN)
+    logits = model(x).logits
+    loss = vocab_parallel_cross_entropy(logits[:, :-1], x[:, 1:], mesh)
+    loss.backward()
+    dims = tp_dims(model)
+    grads = gather_tp({n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}, dims, mesh)
+    conv = {n for n, m in plain.named_modules() if type(m).__name__ == "Conv1D"}
+
+    def as_plain(name, t):   # Conv1D weights are stored (in, out); the converted layers hold (out, in)
+        return t.t() if name.rsplit(".", 1)[0] in conv and name.endswith(".weight") else t
+    attn = model.transformer.h[0].attn
+    return {"logits": close(logits, piece(ref_logits.detach(), -1, mesh)), "loss": close(loss, ref_loss.detach()),
+            "grads": {n: close(as_plain(n, grads[n]), p.grad) for n, p in
+                      plain.named_parameters(remove_duplicate=False)},
+            "heads": (attn.num_heads, attn.split_size), "tied": model.lm_head.weight is model.transformer.wte.weight,
+            "qkv_dims": dims["transformer.h.0.attn.c_attn.weight"]}
+
+
+def test_hf_gpt2_converted_matches_plain():
+    pytest.importorskip("transformers")
+    results = zl.launch(_hf_gpt2_worker, 2, timeout=180, threads=1)
+    for res in results:
+        assert res["heads"] == (2, 16) and res["tied"] and res["qkv_dims"] == (0, 3)
+        assert res["logits"] <= TOL and res["loss"] <= TOL, res
+        bad = {k: v for k, v in res["grads"].items() if not v <= TOL}
+        assert not bad, bad

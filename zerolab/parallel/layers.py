@@ -13,7 +13,9 @@
   rows into the full embedding.
 
 Each layer records which dimension of each parameter is split in
-``tp_dims`` (``{"weight": 0, ...}``); a parameter not listed is replicated.
+``tp_dims`` (``{"weight": (dim, parts), ...}``; parts > 1 for a fused
+q|k|v); a parameter not listed is replicated. Hugging Face's ``Conv1D``
+(GPT-2) is converted as the ``nn.Linear`` it is, transposed.
 Attention heads: split q, k, v column-wise and each rank computes
 ``n_head/tp`` whole heads; the output projection is row-parallel.
 """
@@ -26,18 +28,38 @@ from torch import nn
 from zerolab.parallel.ops import copy_to_tp, gather_from_tp, reduce_from_tp
 
 
-def shard(t: torch.Tensor, dim: int, comm) -> torch.Tensor:
-    """This TP rank's contiguous slice of ``t`` along ``dim`` (a copy)."""
-    return t.detach().chunk(comm.world_size, dim=dim)[comm.rank].clone()
+def shard(t: torch.Tensor, dim: int, comm, parts: int = 1) -> torch.Tensor:
+    """This TP rank's contiguous slice of ``t`` along ``dim`` (a copy). ``parts`` > 1: ``t`` is
+    ``parts`` blocks side by side (a fused q|k|v), and the rank takes its slice of each block."""
+    n, r = comm.world_size, comm.rank
+    pieces = [b.chunk(n, dim=dim)[r] for b in t.detach().chunk(parts, dim=dim)]
+    return torch.cat(pieces, dim=dim).clone(memory_format=torch.contiguous_format)
 
 
-def _split_param(p, dim, comm, memo):
+def unshard(pieces: list, dim: int, parts: int = 1) -> torch.Tensor:
+    """The inverse of ``shard``: every TP rank's piece, in rank order, back into the full tensor."""
+    blocks = [p.chunk(parts, dim=dim) for p in pieces]
+    return torch.cat([torch.cat([b[j] for b in blocks], dim=dim) for j in range(parts)], dim=dim)
+
+
+def _split_param(p, dim, comm, memo, parts=1):
     """The slice of parameter ``p`` along ``dim`` as a new Parameter; one parameter used twice (a
     tied weight) split the same way becomes one Parameter again (``memo``)."""
-    key = (id(p), dim)
+    key = (id(p), dim, parts)
     if key not in memo:
-        memo[key] = nn.Parameter(shard(p, dim, comm), requires_grad=p.requires_grad)
+        memo[key] = nn.Parameter(shard(p, dim, comm, parts), requires_grad=p.requires_grad)
     return memo[key]
+
+
+def as_linear(module) -> nn.Linear:
+    """An ``nn.Linear``, or Hugging Face's ``Conv1D`` (GPT-2: the same map with the weight stored
+    transposed, in × out) as an ``nn.Linear`` with the same values (out × in)."""
+    if isinstance(module, nn.Linear):
+        return module
+    lin = nn.Linear(module.nx, module.nf, bias=module.bias is not None, device="meta")
+    lin.weight = nn.Parameter(module.weight.detach().t(), requires_grad=module.weight.requires_grad)
+    lin.bias = module.bias
+    return lin
 
 
 def _check_divides(what, value, comm, name):
@@ -46,17 +68,19 @@ def _check_divides(what, value, comm, name):
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y[..., rows of this rank] = x W_rᵀ + b_r`` (f before it)."""
-    tp_dims = {"weight": 0, "bias": 0}
+    """``y[..., rows of this rank] = x W_rᵀ + b_r`` (f before it). ``parts=3``: the rows are a fused
+    q|k|v and each rank keeps its rows of each (its heads' q, k and v: GPT-2's ``c_attn``)."""
 
-    def __init__(self, linear: nn.Linear, comm, gather_output: bool = False, memo=None, name="linear"):
+    def __init__(self, linear: nn.Linear, comm, gather_output: bool = False, memo=None, name="linear",
+                 parts: int = 1):
         super().__init__()
-        _check_divides("out_features", linear.out_features, comm, name)
+        _check_divides("out_features", linear.out_features // parts, comm, name)
         memo = {} if memo is None else memo
-        self.comm, self.gather_output = comm, gather_output
+        self.comm, self.gather_output, self.parts = comm, gather_output, parts
+        self.tp_dims = {"weight": (0, parts), "bias": (0, parts)}
         self.in_features, self.out_features = linear.in_features, linear.out_features // comm.world_size
-        self.weight = _split_param(linear.weight, 0, comm, memo)
-        self.bias = None if linear.bias is None else _split_param(linear.bias, 0, comm, memo)
+        self.weight = _split_param(linear.weight, 0, comm, memo, parts)
+        self.bias = None if linear.bias is None else _split_param(linear.bias, 0, comm, memo, parts)
 
     def forward(self, x):
         y = F.linear(copy_to_tp(x, self.comm), self.weight, self.bias)
@@ -70,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """``y = g(x_r W_rᵀ) + b``: ``x_r`` this rank's slice of the input features."""
-    tp_dims = {"weight": 1}
+    tp_dims = {"weight": (1, 1)}
 
     def __init__(self, linear: nn.Linear, comm, memo=None, name="linear"):
         super().__init__()
@@ -92,7 +116,7 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """An ``nn.Embedding`` whose rows (the vocabulary) are split over the TP ranks."""
-    tp_dims = {"weight": 0}
+    tp_dims = {"weight": (0, 1)}
 
     def __init__(self, emb: nn.Embedding, comm, memo=None, name="embedding"):
         super().__init__()

@@ -6,6 +6,7 @@ style:
 
 * ``"colwise"`` — an ``nn.Linear`` split by output features (its output is
   this rank's slice); ``"colwise_gather"``: the same, output all-gathered whole;
+  ``"colwise_qkv"``: a fused q|k|v, each of the three split (this rank's heads);
 * ``"rowwise"`` — an ``nn.Linear`` split by input features (its input must be
   a column-parallel layer's slice), output summed over the TP group;
 * ``"vocab"`` — an ``nn.Embedding`` split by vocabulary rows.
@@ -19,6 +20,9 @@ row-parallel biases stay whole on every TP rank (their gradients are equal on
 every TP rank). A module with an ``n_head`` attribute whose children were
 split column-wise keeps ``n_head/tp`` heads.
 
+``HF_GPT2_PLAN`` does the same for Hugging Face's ``GPT2LMHeadModel`` (its
+``Conv1D`` layers hold the weight transposed; they become ``nn.Linear``-shaped).
+
 ``tp_dims(model)`` lists each split parameter's dimension by name;
 ``gather_tp(state, dims, mesh)`` puts a state dict's slices back together
 (the full names and shapes of the model before the conversion).
@@ -30,7 +34,7 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
-from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, as_linear, unshard
 
 GPT_PLAN = {
     "wte": "vocab",
@@ -39,7 +43,16 @@ GPT_PLAN = {
     "blocks.*.fc": "colwise", "blocks.*.out": "rowwise",
     "head": "colwise",
 }
-STYLES = {"colwise": nn.Linear, "colwise_gather": nn.Linear, "rowwise": nn.Linear, "vocab": nn.Embedding}
+# Hugging Face's GPT2LMHeadModel: the fused q|k|v split by heads, the head tied to the embedding
+HF_GPT2_PLAN = {
+    "transformer.wte": "vocab",
+    "transformer.h.*.attn.c_attn": "colwise_qkv", "transformer.h.*.attn.c_proj": "rowwise",
+    "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
+    "lm_head": "colwise",
+}
+STYLES = {"colwise": "Linear", "colwise_gather": "Linear", "colwise_qkv": "Linear", "rowwise": "Linear",
+          "vocab": "Embedding"}
+HEAD_ATTRS = ("n_head", "num_heads", "split_size")   # divided by tp where a child is split column-wise
 
 
 def _style_of(name: str, plan: dict, used: set):
@@ -52,16 +65,25 @@ def _style_of(name: str, plan: dict, used: set):
     return styles.pop() if styles else None
 
 
+def _kind(module) -> str | None:
+    if type(module) in (nn.Linear, nn.Embedding):
+        return type(module).__name__
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):   # Hugging Face GPT-2's transposed Linear
+        return "Linear"
+    return None
+
+
 def _convert(module, style, comm, memo, name):
     want = STYLES[style]
-    if not isinstance(module, want) or type(module) not in (nn.Linear, nn.Embedding):
-        raise ValueError(f"tensor_parallel: {style!r} applies to an nn.{want.__name__}; {name!r} is a "
+    if _kind(module) != want:
+        raise ValueError(f"tensor_parallel: {style!r} applies to an nn.{want}; {name!r} is a "
                          f"{type(module).__name__}")
     if style == "vocab":
         return VocabParallelEmbedding(module, comm, memo, name)
     if style == "rowwise":
-        return RowParallelLinear(module, comm, memo, name)
-    return ColumnParallelLinear(module, comm, gather_output=style == "colwise_gather", memo=memo, name=name)
+        return RowParallelLinear(as_linear(module), comm, memo, name)
+    return ColumnParallelLinear(as_linear(module), comm, gather_output=style == "colwise_gather", memo=memo,
+                                name=name, parts=3 if style == "colwise_qkv" else 1)
 
 
 def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None) -> nn.Module:
@@ -84,24 +106,27 @@ def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None) -> nn.Modu
     for n, m in model.named_modules():
         split = [c for c, _ in m.named_children() if f"{n}.{c}".lstrip(".") in
                  {t[0] for t in targets if t[2].startswith("colwise")}]
-        if split and hasattr(m, "n_head"):
-            if m.n_head % tp:
-                raise ValueError(f"tensor_parallel: tp={tp} does not divide n_head={m.n_head} of {n!r}")
-            heads[n] = m
+        for attr in HEAD_ATTRS if split else ():
+            if isinstance(getattr(m, attr, None), int):
+                if getattr(m, attr) % tp:
+                    raise ValueError(f"tensor_parallel: tp={tp} does not divide {attr}={getattr(m, attr)} of {n!r}")
+                heads.setdefault(n, (m, []))[1].append(attr)
     new = [(n, _convert(m, s, comm, memo, n)) for n, m, s in targets]   # all built (and checked) first
     for n, layer in new:
         parent, _, attr = n.rpartition(".")
         setattr(model.get_submodule(parent), attr, layer)
-    for m in heads.values():
-        m.n_head //= tp
+    for m, attrs in heads.values():
+        for attr in attrs:
+            setattr(m, attr, getattr(m, attr) // tp)
     return model
 
 
 def tp_dims(model: nn.Module) -> dict:
-    """``{parameter name: split dimension}`` for every tensor-parallel parameter of ``model``
-    (names as ``model.named_parameters(remove_duplicate=False)`` gives them)."""
+    """``{parameter name: (split dimension, parts)}`` for every tensor-parallel parameter of
+    ``model`` (names as ``model.named_parameters(remove_duplicate=False)`` gives them; parts > 1:
+    a fused q|k|v, each block split)."""
     out = {}
-    for mname, m in model.named_modules():
+    for mname, m in model.named_modules(remove_duplicate=False):
         for pname, dim in getattr(m, "tp_dims", {}).items():
             if getattr(m, pname, None) is not None:
                 out[f"{mname}.{pname}".lstrip(".")] = dim
@@ -121,5 +146,6 @@ def gather_tp(state: dict, dims: dict, mesh) -> dict:
         t = t.detach().contiguous()
         full = torch.empty(comm.world_size * t.numel(), dtype=t.dtype, device=t.device)
         comm.all_gather(full, t.view(-1), tag="tp-state")
-        out[name] = torch.cat(full.view(comm.world_size, *t.shape).unbind(0), dim=dims[name])
+        dim, parts = dims[name]
+        out[name] = unshard(list(full.view(comm.world_size, *t.shape).unbind(0)), dim, parts)
     return out
