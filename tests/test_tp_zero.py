@@ -1,6 +1,7 @@
 """ZeRO over the DP group of a mesh (issue 24, item 4): TinyGPT tensor-parallel over TP=2 and sharded
 by ZeRO over DP=2, on 4 gloo ranks, trains to the parameters of single-process training of the unsplit
-model (TP shards gathered to compare); the ledger books each collective under its group."""
+model (TP shards gathered to compare); the ledger books each collective under its group, and on two
+simulated nodes the TP bytes stay inside a node while the DP bytes cross."""
 from __future__ import annotations
 
 import pytest
@@ -49,6 +50,7 @@ def _worker(cases):
                 engine.backward(vocab_parallel_cross_entropy(engine(x[lo:lo + MBS]), y[lo:lo + MBS], mesh))
                 engine.step()
         bytes_ = {g: engine.comm.total_bytes(group=g) for g in ("dp", "tp", "pp")}
+        bytes_.update({f"{g}-inter": engine.comm.total_bytes(group=g, scope="inter") for g in ("dp", "tp")})
         sd = gather_tp(engine.full_state_dict(), dims, mesh)
         out.append({"state": sd if mesh.rank == 0 else {k: v.sum().item() for k, v in sd.items()},
                     "bytes": bytes_, "dp_world": engine.world_size, "coords": (mesh.dp_rank, mesh.tp_rank)})
@@ -60,7 +62,8 @@ CASES = [(1, 1), (3, 1), (0, 2), (2, 1)]
 
 @pytest.fixture(scope="module")
 def results():
-    return zl.launch(_worker, 4, args=(CASES,), timeout=300, threads=1)
+    # two simulated nodes of 2 ranks: each TP pair inside a node, each DP pair across the two
+    return zl.launch(_worker, 4, args=(CASES,), timeout=300, threads=1, ranks_per_node=2)
 
 
 @pytest.mark.parametrize("ci", range(len(CASES)), ids=[f"stage{s}-gas{g}" for s, g in CASES])
@@ -85,6 +88,7 @@ def test_engine_shards_over_dp_only_and_books_per_group(results):
             assert res["dp_world"] == 2
             b = res["bytes"]
             assert b["dp"] > 0 and b["pp"] == 0, (stage, b)
+            assert b["tp-inter"] == 0 and b["dp-inter"] == b["dp"], b   # TP stays in the node; DP crosses
             # TP, per micro-batch, all-reduces of MBS*T*C fp32 activations (a 2-rank ring sends M bytes):
             # forward g after the embedding and after proj and out in each of the 2 blocks (5); backward
             # f before the head and before q, k, v and fc in each block (1 + 2*4 = 9: q, k and v are
