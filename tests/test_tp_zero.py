@@ -113,3 +113,42 @@ def _refused_worker():
 def test_not_yet_implemented_is_refused():
     errors = zl.launch(_refused_worker, 4, timeout=120, threads=1)[0]
     assert all(e and "not implemented yet" in e and "gradient_clipping and fp16" in e for e in errors), errors
+
+
+def _bf16_worker(cfgs):
+    mesh = zl.mesh(dp=DP, tp=2)
+    out = []
+    for cfg in cfgs:
+        model = tensor_parallel(build(), mesh)
+        dims = tp_dims(model)
+        engine = zl.initialize(model, cfg, mesh=mesh)
+        for step in range(STEPS_BF16):
+            x, y = synthetic_batch(model, DP * engine.gas * MBS, seed=7, step=step)
+            for k in range(engine.gas):
+                lo = (k * DP + mesh.dp_rank) * MBS
+                engine.backward(vocab_parallel_cross_entropy(engine(x[lo:lo + MBS]), y[lo:lo + MBS], mesh))
+                engine.step()
+        out.append((gather_tp(engine.full_state_dict(), dims, mesh), engine.skipped_steps,
+                    str(engine.flat.flat.dtype)))
+    return out
+
+
+STEPS_BF16 = 4   # test_engine_precision's STEPS: its reference runs that many
+
+
+def test_bf16_tp2_dp2_matches_fp32_master_reference():
+    """bf16 under TP x DP against the precision tests' single-process fp32-master reference of the
+    unsplit model, with their tolerance (a fraction of how far each tensor moved)."""
+    from test_engine_precision import STEPS as P_STEPS, check_case, config
+    assert P_STEPS == STEPS_BF16
+    cfgs = []
+    for stage, opt in ((1, "sgd"), (3, "sgd"), (2, "adam")):
+        cfg = config(stage, "bf16", opt)
+        cfg["gradient_clipping"] = 0.0   # clipping under TP is refused for now
+        cfgs.append(cfg)
+    results = zl.launch(_bf16_worker, 4, args=(cfgs,), timeout=300, threads=1)
+    for ci, cfg in enumerate(cfgs):
+        for r in range(1, 4):
+            for name, t in results[0][ci][0].items():
+                assert torch.equal(results[r][ci][0][name], t), (r, cfg, name)
+        check_case("gpt", cfg, DP, results[0][ci])
