@@ -10,6 +10,7 @@ import torch
 import zerolab as zl
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
 from zerolab.parallel import gather_tp, tensor_parallel, tp_dims, vocab_parallel_cross_entropy
+from zerolab.theory.checks import mesh_share
 
 STEPS, MBS, DP = 3, 2, 2   # MBS rows per DP rank and micro-batch
 # no weight decay: with it one wte element of this seed has g + wd*w within 1e-8 of zero, where Adam
@@ -39,21 +40,29 @@ def _worker(cases):
     for stage, gas in cases:
         model = tensor_parallel(build(), mesh)
         dims = tp_dims(model)
+        replicated = sum(p.numel() for n, p in model.named_parameters() if n not in dims)   # before stage 3 frees them
+        zero = {"stage": stage, "reduce_bucket_size": 3000}
+        if stage == 3:   # every parameter partitioned, nothing kept gathered: memory() is the formula's
+            zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+                        stage3_prefetch_bucket_size=0)
         engine = zl.initialize(model, {"optimizer": ADAM, "gradient_accumulation_steps": gas,
-                                       "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}},
-                               mesh=mesh)
+                                       "zero_optimization": zero}, mesh=mesh)
         mesh.ledger.reset()
         for step in range(STEPS):
             x, y = synthetic_batch(model, DP * gas * MBS, seed=7, step=step)
             for k in range(gas):   # this DP rank's rows of micro-batch k; both TP ranks read the same rows
                 lo = (k * DP + mesh.dp_rank) * MBS
                 engine.backward(vocab_parallel_cross_entropy(engine(x[lo:lo + MBS]), y[lo:lo + MBS], mesh))
+                if step == 0 and k == gas - 1:   # between backward and step: everything exists
+                    mem = engine.memory().as_dict()
                 engine.step()
         bytes_ = {g: engine.comm.total_bytes(group=g) for g in ("dp", "tp", "pp")}
         bytes_.update({f"{g}-inter": engine.comm.total_bytes(group=g, scope="inter") for g in ("dp", "tp")})
         sd = gather_tp(engine.full_state_dict(), dims, mesh)
         out.append({"state": sd if mesh.rank == 0 else {k: v.sum().item() for k, v in sd.items()},
-                    "bytes": bytes_, "dp_world": engine.world_size, "coords": (mesh.dp_rank, mesh.tp_rank)})
+                    "bytes": bytes_, "dp_world": engine.world_size, "coords": (mesh.dp_rank, mesh.tp_rank),
+                    "mem": mem, "numel": engine.flat.numel, "padded": engine.flat.padded,
+                    "replicated": replicated})
     return out
 
 
@@ -96,6 +105,36 @@ def test_engine_shards_over_dp_only_and_books_per_group(results):
             # of MBS*T fp32 (max, target logit, sum of exponentials). The ZeRO stage changes none of it.
             act, tokens = MBS * 16 * 32 * 4, MBS * 16 * 4
             assert b["tp"] == gas * STEPS * ((5 + 9) * act + 3 * tokens), (stage, b)
+
+
+def test_memory_equals_estimate_with_tp(results):
+    """engine.memory() between backward and step against zl.estimate(psi, 4, stage, tp=2, replicated=R):
+    the rank's slice is exactly (psi - R)/2 + R parameters; the bytes equal the formula on the padded
+    slice, and the formula on Ψ itself up to the padding."""
+    psi = sum(p.numel() for p in build().parameters())
+    for per_rank in results:
+        for (stage, gas), res in zip(CASES, per_rank):
+            r = res["replicated"]
+            assert 0 < r < psi and res["numel"] == (psi - r) // 2 + r == mesh_share(psi, 4, 2, 1, r)[0]
+            exact = zl.estimate(res["padded"], 2, stage, precision="fp32")
+            mem = res["mem"]
+            assert (mem["params"], mem["grads"], mem["optimizer"]) == (exact.params, exact.grads, exact.optimizer)
+            loose = zl.estimate(psi, 4, stage, precision="fp32", tp=2, replicated=r)
+            assert 0 <= mem["total"] - loose.total <= 16 * (res["padded"] - res["numel"]), (stage, mem, loose)
+
+
+def test_estimate_3d_by_hand():
+    # 1000 parameters, 100 of them replicated, on 8 GPUs as TP=2 x DP=4, mixed-precision Adam, ZeRO-1:
+    # a rank's slice is 900/2 + 100 = 550; 2 + 2 bytes each for params and grads, 12 x ceil(550/4)
+    est = zl.estimate(1000, 8, 1, tp=2, replicated=100)
+    assert (est.params, est.grads, est.optimizer, est.psi, est.n_gpus) == (1100, 1100, 12 * 138, 1000, 8)
+    # PP splits the replicated parameters too (each stage its LayerNorms): 900/4 + 100/2 = 275, DP 2
+    assert zl.estimate(1000, 8, 3, tp=2, pp=2, replicated=100).params == 2 * 138
+    assert zl.estimate(7.5e9, 64, 1, tp=8).total == zl.estimate(7.5e9 / 8, 8, 1).total
+    with pytest.raises(ValueError, match=r"n_gpus=6 is not a multiple of tp\*pp = 4"):
+        zl.estimate(1000, 6, 1, tp=4)
+    with pytest.raises(ValueError, match="replicated must be a whole number of parameters in 0..psi"):
+        zl.estimate(1000, 8, 1, tp=2, replicated=2000)
 
 
 def _refused_worker():
