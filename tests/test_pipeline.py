@@ -142,7 +142,7 @@ def test_refused_with_reasons():
 def _3d_worker(dp, tp, pp, stage_n):
     """TinyGPT (untied) tensor-parallel over TP, split into PP stages, ZeRO over DP: the full model
     gathered back (TP slices joined; each stage its own names) with the per-step losses."""
-    from zerolab.parallel import gather_tp, tensor_parallel, tp_dims, vocab_parallel_cross_entropy
+    from zerolab.parallel import gather_3d, tensor_parallel, tp_dims, vocab_parallel_cross_entropy
     mesh = zl.mesh(dp=dp, tp=tp, pp=pp)
     model = gpt()
     stage = pipeline_stage(tensor_parallel(model, mesh), mesh)
@@ -155,7 +155,8 @@ def _3d_worker(dp, tp, pp, stage_n):
         mine = [(x[rows * mesh.dp_rank: rows * (mesh.dp_rank + 1)], y[rows * mesh.dp_rank: rows * (mesh.dp_rank + 1)])
                 for x, y in batches(model, step, rows=4)]
         losses.append(train_batch(engine, mesh, mine, lambda out, y: vocab_parallel_cross_entropy(out, y, mesh)))
-    return {"state": gather_tp(engine.full_state_dict(), dims, mesh), "losses": losses,
+    state = gather_3d(engine.full_state_dict(), dims, mesh)   # the whole model, on every rank
+    return {"state": state if mesh.rank == 0 else {k: v.sum().item() for k, v in state.items()}, "losses": losses,
             "coords": (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank),
             "bytes": {g: engine.comm.total_bytes(group=g) for g in ("dp", "tp", "pp")}}
 
@@ -175,10 +176,10 @@ def reference_3d():
 
 def check_3d(results, dp, tp, pp):
     want, want_losses = reference_3d()
-    got = {}
+    got = results[0]["state"]
     for r in results:
-        if r["coords"][0] == 0 and r["coords"][2] == 0:   # DP rank 0, TP rank 0 of each stage
-            got.update(r["state"])
+        assert sorted(r["state"]) == sorted(want)   # every rank has the whole model, under its original names
+        assert r is results[0] or all(abs(r["state"][n] - float(got[n].sum())) <= 1e-4 for n in want)
         assert r["bytes"]["tp"] > 0 if tp > 1 else r["bytes"]["tp"] == 0
         assert r["bytes"]["pp"] > 0 and (r["bytes"]["dp"] > 0) == (dp > 1)
     assert sorted(got) == sorted(want)

@@ -12,8 +12,8 @@ globs over module names; ``tp_dims`` / ``gather_tp``: the full state back),
 from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerolab.parallel.ops import copy_to_tp, gather_from_tp, reduce_from_tp, vocab_parallel_cross_entropy
 from zerolab.parallel.pipeline import pipeline_stage, schedule, split_blocks, train_batch
-from zerolab.parallel.plan import GPT_PLAN, HF_GPT2_PLAN, gather_tp, tensor_parallel, tp_dims
+from zerolab.parallel.plan import GPT_PLAN, HF_GPT2_PLAN, gather_3d, gather_tp, tensor_parallel, tp_dims
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_tp", "reduce_from_tp",
-           "gather_from_tp", "vocab_parallel_cross_entropy", "GPT_PLAN", "HF_GPT2_PLAN", "tensor_parallel", "tp_dims", "gather_tp",
+           "gather_from_tp", "vocab_parallel_cross_entropy", "GPT_PLAN", "HF_GPT2_PLAN", "tensor_parallel", "tp_dims", "gather_tp", "gather_3d",
            "pipeline_stage", "schedule", "split_blocks", "train_batch"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, as_linear, unshard
@@ -149,3 +150,16 @@ def gather_tp(state: dict, dims: dict, mesh) -> dict:
         dim, parts = dims[name]
         out[name] = unshard(list(full.view(comm.world_size, *t.shape).unbind(0)), dim, parts)
     return out
+
+
+def gather_3d(state: dict, dims: dict, mesh) -> dict:
+    """The whole model's state on every rank, as before ``tensor_parallel`` and ``pipeline_stage``:
+    this stage's ``state`` (e.g. ``engine.full_state_dict()``, already whole over DP) with its TP
+    slices joined (``gather_tp``), then every PP stage's names merged (an all-gather of the stages'
+    dicts over the PP group; a collective on every rank, not booked in the ledger)."""
+    state = gather_tp(state, dims, mesh)
+    if mesh.pp == 1:
+        return state
+    parts = [None] * mesh.pp
+    dist.all_gather_object(parts, state, group=mesh.group("pp"))
+    return {k: v for part in parts for k, v in part.items()}
