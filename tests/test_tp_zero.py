@@ -149,6 +149,27 @@ def _refused_worker():
     return errors
 
 
+def _checkpoint_worker(path):
+    mesh = zl.mesh(dp=2, tp=2)
+    engine = zl.initialize(tensor_parallel(build(), mesh), {"optimizer": ADAM}, mesh=mesh)
+    out = []
+    for call in (lambda: engine.save_checkpoint(path), lambda: engine.load_checkpoint(path),
+                 lambda: engine.save_16bit_model(path)):
+        try:
+            call()
+            out.append(None)
+        except NotImplementedError as e:
+            out.append(str(e))
+    return out
+
+
+def test_checkpoints_under_tp_refused(tmp_path):
+    """Checkpoint files are named by the DP rank: under TP both DP groups would write the same files."""
+    out = zl.launch(_checkpoint_worker, 4, args=(str(tmp_path),), timeout=120, threads=1)[0]
+    assert all(e and "not implemented yet (every DP group would write the same files)" in e for e in out), out
+    assert not list(tmp_path.iterdir())
+
+
 def test_not_yet_implemented_is_refused():
     errors = zl.launch(_refused_worker, 4, timeout=120, threads=1)[0]
     assert all(e and "not implemented yet" in e and "gradient_clipping and fp16" in e for e in errors), errors

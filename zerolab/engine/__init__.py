@@ -69,6 +69,7 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None, me
     except BaseException:   # e.g. a bad nvme_path: put the model back as it was, so a retry works
         saved.restore()
         raise
+    engine.mesh = mesh   # 3D (chapter 11): None, or the zl.mesh the engine shards over the DP group of
     for p in model.parameters():
         p._zerolab_engine = True
     return engine
