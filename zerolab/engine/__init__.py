@@ -53,9 +53,9 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None, me
     if mesh is not None and mesh.pp > 1 and cfg.zero.stage > 1:
         raise ConfigError(f"{mesh}: ZeRO-{cfg.zero.stage} with pipeline parallelism would reduce gradients (and at "
                           f"stage 3 re-gather parameters) every micro-batch; as DeepSpeed, only ZeRO-0/1 with pp > 1")
-    if mesh is not None and mesh.tp * mesh.pp > 1 and (cfg.gradient_clipping > 0 or cfg.fp16.enabled):
-        raise ConfigError(f"{mesh}: gradient_clipping and fp16 need a norm / an overflow check over the TP and PP "
-                          f"shards as well: not implemented yet")
+    if mesh is not None and mesh.pp > 1 and cfg.fp16.enabled:
+        raise ConfigError(f"{mesh}: fp16 loss scaling with pipeline parallelism is not implemented yet (each stage "
+                          f"would scale the gradient it receives again); use bf16")
     cfg = cfg.with_world_size(communicator.world_size)
     _check_supported(model, cfg)
     check_zeropp(cfg.zero, cfg.precision, communicator.world_size, communicator.ranks_per_node)

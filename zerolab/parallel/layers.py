@@ -48,6 +48,7 @@ def _split_param(p, dim, comm, memo, parts=1):
     key = (id(p), dim, parts)
     if key not in memo:
         memo[key] = nn.Parameter(shard(p, dim, comm, parts), requires_grad=p.requires_grad)
+        memo[key].tensor_parallel = True   # a slice, different on each TP rank (the engine's norm counts each)
     return memo[key]
 
 

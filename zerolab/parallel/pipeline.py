@@ -165,13 +165,11 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", dtyp
             grad = link.recv(s + 1, y.dtype)
             # an engine divides what it is given by gas: the gradient received already was
             target = (y.float() * grad.float()).sum() * (m if engine is not None else 1)
-        if engine is not None:
-            engine.backward(target)
-            engine.step()
-        else:
-            target.backward()
-        if not first:
+        engine.backward(target) if engine is not None else target.backward()
+        if not first:   # before the step: at the boundary it all-reduces the norm over the PP group too
             link.send(x.grad, s - 1)
+        if engine is not None:
+            engine.step()
     link.wait()
     loss = torch.stack(losses).mean() if last else torch.zeros((), dtype=torch.float32)
     if p > 1:
