@@ -186,16 +186,15 @@ def _bf16_worker(cfgs):
 STEPS_BF16 = 4   # test_engine_precision's STEPS: its reference runs that many
 
 
-def test_bf16_tp2_dp2_matches_fp32_master_reference():
-    """bf16 under TP x DP against the precision tests' single-process fp32-master reference of the
+def test_mixed_precision_tp2_dp2_matches_fp32_master_reference():
+    """bf16 and fp16 under TP x DP against the precision tests' single-process fp32-master reference of the
     unsplit model, with their tolerance (a fraction of how far each tensor moved)."""
     from test_engine_precision import STEPS as P_STEPS, check_case, config
     assert P_STEPS == STEPS_BF16
-    cfgs = []
-    for stage, opt in ((1, "sgd"), (3, "sgd"), (2, "adam")):
-        cfg = config(stage, "bf16", opt)
-        cfg["gradient_clipping"] = 0.0   # clipping under TP is refused for now
-        cfgs.append(cfg)
+    # SGD (scale-sensitive, no clipping) and Adam (clipping at 0.5 over the whole model); fp16: the
+    # loss scale and its overflow check agree over TP too
+    cfgs = [config(stage, prec, opt) for stage, prec, opt in
+            ((1, "bf16", "sgd"), (3, "bf16", "sgd"), (2, "bf16", "adam"), (1, "fp16", "sgd"), (3, "fp16", "adam"))]
     results = zl.launch(_bf16_worker, 4, args=(cfgs,), timeout=300, threads=1)
     for ci, cfg in enumerate(cfgs):
         for r in range(1, 4):
