@@ -165,7 +165,10 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", dtyp
             grad = link.recv(s + 1, y.dtype)
             # an engine divides what it is given by gas: the gradient received already was
             target = (y.float() * grad.float()).sum() * (m if engine is not None else 1)
-        engine.backward(target) if engine is not None else target.backward()
+        if engine is not None:
+            engine.backward(target)
+        else:
+            target.backward()
         if not first:   # before the step: at the boundary it all-reduces the norm over the PP group too
             link.send(x.grad, s - 1)
         if engine is not None:
