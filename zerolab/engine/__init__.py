@@ -69,7 +69,7 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None, me
     except BaseException:   # e.g. a bad nvme_path: put the model back as it was, so a retry works
         saved.restore()
         raise
-    engine.mesh = mesh   # 3D (chapter 11): None, or the zl.mesh the engine shards over the DP group of
+    engine.mesh = mesh   # None, or the zl.mesh whose DP group the engine shards over (3D, chapter 11)
     for p in model.parameters():
         p._zerolab_engine = True
     return engine
