@@ -39,6 +39,11 @@ _EXPORTS = {
     "CommLedger": "zerolab.runtime.comm",
     "census": "zerolab.runtime.measure",
     "MemoryReport": "zerolab.runtime.measure",
+    "mesh": "zerolab.runtime.mesh",                       # 3D: dp x tp x pp (chapter 11)
+    "Mesh": "zerolab.runtime.mesh",
+    # tensor parallelism (chapter 11)
+    "tensor_parallel": "zerolab.parallel",
+    "vocab_parallel_cross_entropy": "zerolab.parallel",
     # engines (chapters 3-9)
     "initialize": "zerolab.engine",
     "gathered_parameters": "zerolab.engine",

@@ -56,10 +56,11 @@ class Attention(nn.Module):
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        heads = lambda t: t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        B, T = x.shape[:2]
+        # the head size from q's width: under tensor parallelism q, k, v hold n_head/tp heads (chapter 11)
+        heads = lambda t: t.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class Block(nn.Module):

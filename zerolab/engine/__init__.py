@@ -32,7 +32,7 @@ __all__ = ["initialize", "gathered_parameters", "Engine", "Stage0Engine", "Stage
 ENGINES = {0: Stage0Engine, 1: Stage1Engine, 2: Stage2Engine, 3: Stage3Engine}
 
 
-def initialize(model: nn.Module, config, link=None, *, model_parameters=None) -> Engine:
+def initialize(model: nn.Module, config, link=None, *, model_parameters=None, mesh=None) -> Engine:
     """Wrap ``model`` in the engine for ``config``'s ZeRO stage (a dict, a path or a ``zl.Config``).
 
     Call it on every rank with the same model; rank 0's parameters and buffers
@@ -43,12 +43,19 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None) ->
     parameters or of dicts with per-group ``lr``, ``weight_decay``...; the config's
     optimizer params are the defaults). Raises ``ConfigError`` / ``ValueError`` for
     what the engine cannot do, before touching the model; if building the engine
-    fails later (a bad ``nvme_path``), the model is put back as it was.
+    fails later (a bad ``nvme_path``), the model is put back as it was. ``mesh``: a
+    ``zl.mesh`` (3D, chapter 11): the engine shards over its DP group only.
     """
     cfg = Config.from_any(config)
     if link is not None:  # a simulated link (zerolab.theory.network) for this engine only
         cfg = dataclasses.replace(cfg, link=link)
-    communicator = make_communicator(cfg.link)
+    communicator = make_communicator(cfg.link) if mesh is None else mesh.communicator("dp", cfg.link)
+    if mesh is not None and mesh.pp > 1 and cfg.zero.stage > 1:
+        raise ConfigError(f"{mesh}: ZeRO-{cfg.zero.stage} with pipeline parallelism would reduce gradients (and at "
+                          f"stage 3 re-gather parameters) every micro-batch; as DeepSpeed, only ZeRO-0/1 with pp > 1")
+    if mesh is not None and mesh.pp > 1 and cfg.fp16.enabled:
+        raise ConfigError(f"{mesh}: fp16 loss scaling with pipeline parallelism is not implemented yet (each stage "
+                          f"would scale the gradient it receives again); use bf16")
     cfg = cfg.with_world_size(communicator.world_size)
     _check_supported(model, cfg)
     check_zeropp(cfg.zero, cfg.precision, communicator.world_size, communicator.ranks_per_node)
@@ -62,6 +69,7 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None) ->
     except BaseException:   # e.g. a bad nvme_path: put the model back as it was, so a retry works
         saved.restore()
         raise
+    engine.mesh = mesh   # None, or the zl.mesh whose DP group the engine shards over (3D, chapter 11)
     for p in model.parameters():
         p._zerolab_engine = True
     return engine

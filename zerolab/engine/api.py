@@ -63,17 +63,27 @@ class EngineAPI:
         return consolidated_state_dict(self, rank0_only)
 
     # ---------------------------------------------------------------- checkpoints (chapter 8)
+    def _whole_model_only(self, what: str) -> None:
+        """Checkpoints name files by the DP rank: under TP/PP every DP group would write the same ones."""
+        mesh = getattr(self, "mesh", None)
+        if mesh is not None and mesh.tp * mesh.pp > 1:
+            raise NotImplementedError(f"{what} under {mesh}: checkpoints of a TP/PP-split model are not implemented "
+                                      f"yet (every DP group would write the same files); use zerolab.parallel.gather_3d")
+
     def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False) -> str:
         """Collective: save to ``save_dir/<tag>`` (default ``global_step{N}``), atomically (checkpoint/save.py)."""
+        self._whole_model_only("save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), at any world size and stage;
         returns ``(path, client_state)``, ``(None, None)`` if there is no checkpoint (checkpoint/load.py)."""
+        self._whole_model_only("load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
     def save_16bit_model(self, save_dir, filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Collective: rank 0 writes the whole model in its compute dtype (gathered at stage 3)."""
+        self._whole_model_only("save_16bit_model")
         return save_16bit_model(self, save_dir, filename, exclude_frozen_parameters)
 
     def load_state_dict(self, state_dict_or_path, strict: bool = True):

@@ -40,7 +40,8 @@ from zerolab.engine.bigmodel.materialize import buffer_marks, check_initialised,
 from zerolab.engine.accumulate import keep_reduced_once
 from zerolab.engine.api import EngineAPI
 from zerolab.engine.buckets import GradientBuckets
-from zerolab.engine.optim import ShardedOptimizer, clip_coefficient, make_scheduler, sum_of_squares
+from zerolab.engine.mesh_norm import grad_sq, model_parallel_all_reduce
+from zerolab.engine.optim import ShardedOptimizer, clip_coefficient, make_scheduler
 from zerolab.engine.unused import SkipUnused, param_spans
 from zerolab.engine.precision import DynamicLossScaler, cast_floats, local_overflow, precision_of
 
@@ -220,9 +221,10 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
         scale = 1.0 / (self.world_size * (self.scaler.scale if self.scaler else 1.0))  # sum -> mean, unscale
         if self.config.gradient_clipping > 0:
             # on the device the collective runs on: under optimizer offload the gradients are on the host
-            sq = (sum_of_squares(grads) * scale ** 2).to(self.flat.device)
+            sq = (grad_sq(self, grads) * scale ** 2).to(self.flat.device)
             if self.shards_optimizer:
                 self.communicator.all_reduce(sq, tag="grad-norm")
+            model_parallel_all_reduce(self, sq)   # 3D: the TP slices and PP stages too (mesh_norm.py)
             scale *= clip_coefficient(float(sq.sqrt()), self.config.gradient_clipping)
         if isinstance(self.optimizer, ShardedOptimizer):  # unit by unit: stage 1 gathers while later units update
             self.optimizer.step(grads, self.get_lr(), scale, after=self.unit_updated)
@@ -246,6 +248,7 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
         """fp16: inf/nan anywhere in any rank's shard -> every rank skips (all-reduce MAX)."""
         flag = torch.tensor([1.0 if local_overflow(grads) else 0.0], device=self.flat.device)
         self.communicator.all_reduce(flag, op="max", tag="overflow")
+        model_parallel_all_reduce(self, flag, op="max")
         return bool(flag.item())
 
     def get_lr(self) -> float:

@@ -55,6 +55,7 @@ class CommRecord:
     tag: str = ""
     simulated: bool = False
     inter_bytes: int = 0   # the part of ``bytes`` that crosses nodes (module docstring)
+    group: str | None = None   # the mesh group it ran in ("dp", "tp", "pp"; runtime/mesh.py), else None
 
     @property
     def intra_bytes(self) -> int:
@@ -69,15 +70,15 @@ class CommLedger:
     busy_until: dict = field(default_factory=dict)  # simulated link tier -> when its channel is idle again
     control: list = field(default_factory=list)  # bookkeeping flags (engine/unused.py), apart from the algorithm's
 
-    def _pick(self, op, scope):
+    def _pick(self, op, scope, group=None):
         if scope not in _SCOPES:
             raise ValueError(f"scope must be one of {_SCOPES}, got {scope!r}")
-        return [r for r in self.records if op is None or r.op == op]
+        return [r for r in self.records if (op is None or r.op == op) and (group is None or r.group == group)]
 
-    def total_bytes(self, op: str | None = None, scope: str | None = None) -> int:
+    def total_bytes(self, op: str | None = None, scope: str | None = None, group: str | None = None) -> int:
         """Algorithm bytes this rank sent; ``scope="intra"`` / ``"inter"``: only those that stayed in /
-        crossed nodes."""
-        rs = self._pick(op, scope)
+        crossed nodes; ``group="dp"|"tp"|"pp"``: only those of that mesh group."""
+        rs = self._pick(op, scope, group)
         if scope == "inter":
             return sum(r.inter_bytes for r in rs)
         if scope == "intra":
@@ -155,12 +156,13 @@ class Communicator:
     """Collectives over one process group, recorded in ``self.ledger``; ``.intra`` / ``.inter``:
     the communicators of this rank's node and of its peers on the other nodes (None on one node)."""
 
-    def __init__(self, group=None, link=None, ranks_per_node=None, ledger=None):
+    def __init__(self, group=None, link=None, ranks_per_node=None, ledger=None, name=None):
         """The communicator of ``group`` (default: the whole world). Without an
         initialised ``torch.distributed`` it is a one-rank communicator whose
         collectives are local copies, so single-process code runs unchanged.
-        ``ranks_per_node`` (default: ``LOCAL_WORLD_SIZE``, else everything on one node)."""
-        self.group = group
+        ``ranks_per_node`` (default: ``LOCAL_WORLD_SIZE``, else everything on one node).
+        ``name``: the mesh group ("dp", "tp", "pp") its records are booked under."""
+        self.group, self.name = group, name
         local = not dist.is_initialized()
         if local and group is not None:
             raise ValueError("a process group was given, but torch.distributed is not initialised")
@@ -220,7 +222,7 @@ class Communicator:
             self.ledger.busy_until[tier] = t_done
         record = CommRecord(op, sent, 0.0, tensor_for_size.numel(), str(tensor_for_size.dtype).replace("torch.", ""),
                             self.world_size, tag, self._links is not None,
-                            inter_bytes=round(sent * self.inter_fraction(op, src)))
+                            inter_bytes=round(sent * self.inter_fraction(op, src)), group=self.name)
         work = call(async_op) if self.world_size > 1 else None
         handle = Handle(work, record, self.ledger, t_issue, t_done, after)
         if not async_op:

@@ -46,10 +46,10 @@ communication half of the model); ``zerolab.theory`` exports them all.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
-from zerolab.theory.checks import STAGES, check_psi_n
+from zerolab.theory.checks import STAGES, check_psi_n, mesh_share
 from zerolab.theory.checks import choice as _choice
 
 GB = 10**9
@@ -108,7 +108,8 @@ class Estimate:
 
 
 def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
-             offload_optimizer="none", offload_param="none", hpz_partition_size=1, frozen=0) -> Estimate:
+             offload_optimizer="none", offload_param="none", hpz_partition_size=1, frozen=0,
+             tp=1, pp=1, replicated=0) -> Estimate:
     """Per-rank bytes of params, grads and optimizer state under ZeRO ``stage``.
 
     Chapter 1 derives it (16Ψ in mixed-precision Adam, split by stage).
@@ -118,7 +119,15 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
     ``frozen``: parameters that do not train (a LoRA model's base), on top of the ``psi``
     trainable ones: 16-bit (or fp32) weights only, no gradient or optimizer state; whole on
     every rank at stages 0-2, partitioned (1/N each) at stage 3.
+    ``tp``, ``pp`` (3D, chapter 11): ``n_gpus`` counts every GPU; ZeRO shards each rank's
+    model-parallel slice over n_gpus/(tp·pp) ranks (``checks.mesh_share``; ``replicated``: the
+    parameters every TP rank keeps whole).
     """
+    if (tp, pp, replicated) != (1, 1, 0):
+        psi_mp, n_dp = mesh_share(psi, n_gpus, tp, pp, replicated)
+        est = estimate(psi_mp, n_dp, stage, precision, optimizer, offload_optimizer, offload_param,
+                       hpz_partition_size, frozen)
+        return replace(est, psi=check_psi_n(psi, n_gpus)[0], n_gpus=n_gpus)
     psi, n = check_psi_n(psi, n_gpus)
     _choice("stage", stage, STAGES)
     _choice("offload_optimizer", offload_optimizer, DEVICES)

@@ -1,0 +1,19 @@
+"""Model parallelism composed with ZeRO (chapter 11): tensor-parallel layers and the plans that
+convert a model to them (Megatron-LM's scheme). Imports torch, the runtime (``zl.mesh``'s groups
+and their communicators) and the theory; never the engine, the book or the bench: the engine
+shards a converted model over the mesh's DP group like any other model.
+
+Files: ``ops`` (the conjugate operators f and g, the vocabulary-parallel
+cross-entropy), ``layers`` (column- and row-parallel linear layers, the
+vocabulary-parallel embedding), ``plan`` (``tensor_parallel``: a plan of
+globs over module names; ``tp_dims`` / ``gather_tp``: the full state back),
+``pipeline`` (``pipeline_stage``, the GPipe and 1F1B schedules, ``train_batch``).
+"""
+from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from zerolab.parallel.ops import copy_to_tp, gather_from_tp, reduce_from_tp, vocab_parallel_cross_entropy
+from zerolab.parallel.pipeline import pipeline_stage, schedule, split_blocks, train_batch
+from zerolab.parallel.plan import GPT_PLAN, HF_GPT2_PLAN, gather_3d, gather_tp, tensor_parallel, tp_dims
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_tp", "reduce_from_tp",
+           "gather_from_tp", "vocab_parallel_cross_entropy", "GPT_PLAN", "HF_GPT2_PLAN", "tensor_parallel", "tp_dims", "gather_tp", "gather_3d",
+           "pipeline_stage", "schedule", "split_blocks", "train_batch"]

@@ -1,0 +1,129 @@
+"""The conjugate operators of tensor parallelism, and the vocabulary-parallel cross-entropy (chapter 11).
+
+Megatron-LM (Shoeybi et al. 2019, section 3) makes a transformer layer
+tensor-parallel with two operators that are each other's transpose:
+
+* **f** — identity in forward, all-reduce in backward. It stands before a
+  column-parallel layer: every TP rank reads the same input, and the input's
+  gradient is the sum of what each rank's slice of the weight sends back.
+* **g** — all-reduce in forward, identity in backward. It stands after a
+  row-parallel layer: each rank has a partial sum of the output; the output's
+  gradient reaches every rank whole.
+
+So an MLP or attention block costs one all-reduce of the activations (b·s·h
+elements) in forward (g) and one in backward (f). ``gather`` (all-gather
+along the last dimension; backward: keep this rank's slice) gives a
+column-parallel layer's full output when a later layer needs it whole.
+
+``vocab_parallel_cross_entropy``: the loss over logits split along the
+vocabulary without gathering them — the max, the target's logit and the sum
+of exponentials are each all-reduced over the TP group (3 small all-reduces of
+b·s elements instead of an all-gather of b·s·V).
+
+Every collective goes through the mesh's TP ``Communicator``, so the ledger
+books it under ``group="tp"``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce (sum) of the gradient over the TP group backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, tag="tp-f")
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce (sum) over the TP group forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        y = x.contiguous().clone()
+        comm.all_reduce(y, tag="tp-g")
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromTP(torch.autograd.Function):
+    """All-gather along the last dimension in TP rank order forward; backward: this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm, n = comm, comm.world_size
+        x = x.contiguous()
+        out = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
+        comm.all_gather(out, x.view(-1), tag="tp-gather")
+        return torch.cat(out.view(n, *x.shape).unbind(0), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.comm.world_size, dim=-1)[ctx.comm.rank].contiguous(), None
+
+
+def copy_to_tp(x, comm):
+    """f (see the module docstring)."""
+    return CopyToTP.apply(x, comm) if comm.world_size > 1 else x
+
+
+def reduce_from_tp(x, comm):
+    """g (see the module docstring)."""
+    return ReduceFromTP.apply(x, comm) if comm.world_size > 1 else x
+
+
+def gather_from_tp(x, comm):
+    """The full last dimension from every TP rank's slice."""
+    return GatherFromTP.apply(x, comm) if comm.world_size > 1 else x
+
+
+class VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy of logits split along the vocabulary (this rank: columns
+    ``start .. start + V/tp``). Backward: softmax minus the one-hot target, this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, logits, target, comm, start):
+        v = logits.shape[-1]
+        m = logits.detach().max(dim=-1).values
+        comm.all_reduce(m, op="max", tag="tp-ce-max")
+        z = logits - m.unsqueeze(-1)
+        local = target - start
+        mine = (local >= 0) & (local < v)
+        local = local.clamp(0, v - 1)
+        picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+        comm.all_reduce(picked, tag="tp-ce-target")
+        e = z.exp()
+        total = e.sum(dim=-1)
+        comm.all_reduce(total, tag="tp-ce-sum")
+        ctx.save_for_backward(e.div_(total.unsqueeze(-1)), local, mine)
+        return total.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(g.dtype))
+        return g * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, mesh_or_comm):
+    """Mean cross-entropy of ``logits`` (..., V/tp) — this TP rank's slice of the vocabulary, as a
+    column-parallel head gives it — against ``target`` (...) token ids in the full vocabulary;
+    equals ``F.cross_entropy`` over the gathered logits. ``mesh_or_comm``: a ``zl.mesh`` (its TP
+    group) or a TP ``Communicator``."""
+    comm = mesh_or_comm.communicator("tp") if hasattr(mesh_or_comm, "communicator") else mesh_or_comm
+    v = logits.shape[-1]
+    logits = logits.float()
+    target = target.reshape(logits.shape[:-1])
+    return VocabParallelCE.apply(logits, target, comm, comm.rank * v).mean()

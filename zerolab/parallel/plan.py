@@ -1,0 +1,165 @@
+"""``zl.tensor_parallel(model, mesh, plan)``: convert a model's layers to tensor-parallel ones (chapter 11).
+
+A *plan* maps ``fnmatch`` globs over dotted module names (``"*.fc"``,
+``"blocks.*.attn.q"``), as torch's ``parallelize_module`` takes them, to a
+style:
+
+* ``"colwise"`` — an ``nn.Linear`` split by output features (its output is
+  this rank's slice); ``"colwise_gather"``: the same, output all-gathered whole;
+  ``"colwise_qkv"``: a fused q|k|v, each of the three split (this rank's heads);
+* ``"rowwise"`` — an ``nn.Linear`` split by input features (its input must be
+  a column-parallel layer's slice), output summed over the TP group;
+* ``"vocab"`` — an ``nn.Embedding`` split by vocabulary rows.
+
+``GPT_PLAN`` (the default) converts ``zerolab.book.models.TinyGPT``: q, k, v
+and the MLP's ``fc`` column-wise, the attention's ``proj`` and the MLP's
+``out`` row-wise, the token embedding and the tied head by vocabulary — the
+logits come out split along the vocabulary: take the loss with
+``vocab_parallel_cross_entropy``. LayerNorms, the position embedding and the
+row-parallel biases stay whole on every TP rank (their gradients are equal on
+every TP rank). A module with an ``n_head`` attribute whose children were
+split column-wise keeps ``n_head/tp`` heads.
+
+``HF_GPT2_PLAN`` does the same for Hugging Face's ``GPT2LMHeadModel`` (its
+``Conv1D`` layers hold the weight transposed; they become ``nn.Linear``-shaped).
+
+``tp_dims(model)`` lists each split parameter's dimension by name;
+``gather_tp(state, dims, mesh)`` puts a state dict's slices back together
+(the full names and shapes of the model before the conversion).
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, as_linear, unshard
+
+GPT_PLAN = {
+    "wte": "vocab",
+    "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.fc": "colwise", "blocks.*.out": "rowwise",
+    "head": "colwise",
+}
+# Hugging Face's GPT2LMHeadModel: the fused q|k|v split by heads, the head tied to the embedding
+HF_GPT2_PLAN = {
+    "transformer.wte": "vocab",
+    "transformer.h.*.attn.c_attn": "colwise_qkv", "transformer.h.*.attn.c_proj": "rowwise",
+    "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
+    "lm_head": "colwise",
+}
+STYLES = {"colwise": "Linear", "colwise_gather": "Linear", "colwise_qkv": "Linear", "rowwise": "Linear",
+          "vocab": "Embedding"}
+HEAD_ATTRS = ("n_head", "num_heads", "split_size")   # divided by tp where a child is split column-wise
+
+
+def _style_of(name: str, plan: dict, used: set):
+    hits = [g for g in plan if fnmatchcase(name, g)]
+    styles = {plan[g] for g in hits}
+    if len(styles) > 1:
+        raise ValueError(f"tensor_parallel: module {name!r} matches globs with different styles: "
+                         f"{ {g: plan[g] for g in hits} }")
+    used.update(hits)
+    return styles.pop() if styles else None
+
+
+def _kind(module) -> str | None:
+    if type(module) in (nn.Linear, nn.Embedding):
+        return type(module).__name__
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):   # Hugging Face GPT-2's transposed Linear
+        return "Linear"
+    return None
+
+
+def _convert(module, style, comm, memo, name):
+    want = STYLES[style]
+    if _kind(module) != want:
+        raise ValueError(f"tensor_parallel: {style!r} applies to an nn.{want}; {name!r} is a "
+                         f"{type(module).__name__}")
+    if style == "vocab":
+        return VocabParallelEmbedding(module, comm, memo, name)
+    if style == "rowwise":
+        return RowParallelLinear(as_linear(module), comm, memo, name)
+    return ColumnParallelLinear(as_linear(module), comm, gather_output=style == "colwise_gather", memo=memo,
+                                name=name, parts=3 if style == "colwise_qkv" else 1)
+
+
+def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None) -> nn.Module:
+    """Replace, in place, each module of ``model`` whose dotted name matches a glob of ``plan``
+    (default ``GPT_PLAN``) by its tensor-parallel form over ``mesh``'s TP group; returns ``model``.
+    Every rank must call it with the same model (the values are sliced, not communicated)."""
+    plan = GPT_PLAN if plan is None else plan
+    bad = {g: s for g, s in plan.items() if s not in STYLES}
+    if bad:
+        raise ValueError(f"tensor_parallel: unknown style(s) {bad}; choose from {sorted(STYLES)}")
+    comm = mesh.communicator("tp")
+    tp, used, memo = comm.world_size, set(), {}
+    targets = [(n, m, s) for n, m in model.named_modules() if n and (s := _style_of(n, plan, used))]
+    unused = [g for g in plan if g not in used]
+    if unused:
+        names = [n for n, _ in model.named_modules() if n][:12]
+        raise ValueError(f"tensor_parallel: glob(s) {unused} match no module; module names look like {names}")
+    # check every head count before changing anything
+    heads = {}
+    for n, m in model.named_modules():
+        split = [c for c, _ in m.named_children() if f"{n}.{c}".lstrip(".") in
+                 {t[0] for t in targets if t[2].startswith("colwise")}]
+        for attr in HEAD_ATTRS if split else ():
+            if isinstance(getattr(m, attr, None), int):
+                if getattr(m, attr) % tp:
+                    raise ValueError(f"tensor_parallel: tp={tp} does not divide {attr}={getattr(m, attr)} of {n!r}")
+                heads.setdefault(n, (m, []))[1].append(attr)
+    new = [(n, _convert(m, s, comm, memo, n)) for n, m, s in targets]   # all built (and checked) first
+    for n, layer in new:
+        parent, _, attr = n.rpartition(".")
+        setattr(model.get_submodule(parent), attr, layer)
+    for m, attrs in heads.values():
+        for attr in attrs:
+            setattr(m, attr, getattr(m, attr) // tp)
+    return model
+
+
+def tp_dims(model: nn.Module) -> dict:
+    """``{parameter name: (split dimension, parts)}`` for every tensor-parallel parameter of
+    ``model`` (names as ``model.named_parameters(remove_duplicate=False)`` gives them; parts > 1:
+    a fused q|k|v, each block split)."""
+    out = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for pname, dim in getattr(m, "tp_dims", {}).items():
+            if getattr(m, pname, None) is not None:
+                out[f"{mname}.{pname}".lstrip(".")] = dim
+    return out
+
+
+def gather_tp(state: dict, dims: dict, mesh) -> dict:
+    """``state`` (name -> tensor, this TP rank's slices) with every name in ``dims`` all-gathered
+    over the TP group along its dimension: full shapes, as before ``tensor_parallel``. A collective
+    over the TP group, in ``state``'s order: every rank passes the same names."""
+    comm = mesh.communicator("tp")
+    out = {}
+    for name, t in state.items():
+        if name not in dims or comm.world_size == 1:
+            out[name] = t
+            continue
+        t = t.detach().contiguous()
+        full = torch.empty(comm.world_size * t.numel(), dtype=t.dtype, device=t.device)
+        comm.all_gather(full, t.view(-1), tag="tp-state")
+        dim, parts = dims[name]
+        out[name] = unshard(list(full.view(comm.world_size, *t.shape).unbind(0)), dim, parts)
+    return out
+
+
+def gather_3d(state: dict, dims: dict, mesh) -> dict:
+    """The whole model's state on every rank, as before ``tensor_parallel`` and ``pipeline_stage``:
+    this stage's ``state`` (e.g. ``engine.full_state_dict()``, already whole over DP) with its TP
+    slices joined (``gather_tp``), then every PP stage's names merged (an all-gather of the stages'
+    dicts over the PP group; a collective on every rank, not booked in the ledger)."""
+    state = gather_tp(state, dims, mesh)
+    if mesh.pp == 1:
+        return state
+    parts = [None] * mesh.pp
+    dist.all_gather_object(parts, state, group=mesh.group("pp"))
+    return {k: v for part in parts for k, v in part.items()}
