@@ -3,10 +3,10 @@
 ``Communicator`` wraps ``torch.distributed`` for one process group. Every
 collective is recorded in a ``CommLedger`` with its *algorithm bytes*: the
 bytes this rank sends under the bandwidth-optimal ring algorithm
-(``network.ring_bytes``), computed from the real call's tensor size. They are
-a model of the wire, not a capture of it: gloo, for one, emulates
-reduce-scatter with an all-reduce and moves about twice as much. Each record
-also keeps the seconds from issue to completion.
+(``network.ring_bytes``), computed from the real call's tensor size: a model
+of the wire, not a capture (gloo emulates reduce-scatter with an all-reduce,
+about twice the bytes), with the seconds from issue to completion. Bookkeeping
+flags (one byte per parameter, ``engine/unused.py``) go in ``ledger.control``.
 
 Nodes (chapter 9, ``runtime/nodes.py``): with ``ranks_per_node`` K the world
 communicator also has ``.intra`` and ``.inter`` communicators (same ledger),
@@ -68,7 +68,7 @@ class CommLedger:
     records: list = field(default_factory=list)
     link: object = None  # the simulated link, if any: a Link or {"intra": Link, "inter": Link}
     busy_until: dict = field(default_factory=dict)  # simulated link tier -> when its channel is idle again
-    control: list = field(default_factory=list)  # bookkeeping flags (engine/unused.py), apart from the algorithm's
+    control: list = field(default_factory=list)  # bookkeeping flags, apart from the algorithm's collectives
 
     def _pick(self, op, scope, group=None):
         if scope not in _SCOPES:
@@ -92,13 +92,11 @@ class CommLedger:
         return sum(1 for r in self.records if op is None or r.op == op)
 
     def by_op(self) -> dict:
-        out = {}
-        for r in self.records:
-            out[r.op] = out.get(r.op, 0) + r.bytes
-        return out
+        return {op: self.total_bytes(op) for op in dict.fromkeys(r.op for r in self.records)}
 
     def reset(self):
         self.records.clear()
+        self.control.clear()
 
     def summary(self) -> str:
         lines = [f"{'op':<15}{'calls':>7}{'algorithm bytes':>17}{'inter-node':>13}{'seconds':>10}"]
