@@ -61,8 +61,6 @@ def test_meta_llama_from_its_save_pretrained_file_trains_like_the_built_model(tm
     check_meta("llama", saved("llama", tmp_path))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 item 5: strict=True refuses HF's own file of a tied model "
-                                       "(lm_head.weight, an alias of wte, is left out of it)")
 def test_gpt2_save_pretrained_file_loads_with_strict_default(tmp_path):
     path = saved("gpt2", tmp_path)
     from zerolab.engine.bigmodel.load import read_safetensors
@@ -70,8 +68,6 @@ def test_gpt2_save_pretrained_file_loads_with_strict_default(tmp_path):
     check_meta("gpt2", path)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 item 5: a tied weight present only under its second name "
-                                       "(lm_head.weight) is not loaded, yet marked initialised")
 def test_tied_weight_under_its_second_name_only_is_loaded():
     sd = {k: v for k, v in build("gpt2").state_dict().items() if k != "transformer.wte.weight"}
     assert "lm_head.weight" in sd
@@ -246,8 +242,6 @@ def test_meta_llama_without_a_file_gets_its_own_initialisation():
     assert all(r[0] and 0.017 < r[1] < 0.023 and r[2] and r[3] is True for r in report.values()), report
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 item 5: HF's sharded checkpoints (model.safetensors.index.json) "
-                                       "are not read")
 def test_sharded_save_pretrained_loads_through_its_index(tmp_path):
     """save_pretrained(max_shard_size=...) writes several files and an index naming them; pointing
     load_state_dict at the index loads them all (a model built normally from another seed, so the
@@ -273,7 +267,6 @@ def adapter_worker(path, stages=STAGES):
     return out if dist.get_rank() == 0 else None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 item 5: PEFT adapter files (names without '.default') do not load")
 def test_peft_adapter_file_loads(tmp_path):
     trained = build("lora")
     opt = torch.optim.AdamW(trained.parameters(), lr=1e-2)

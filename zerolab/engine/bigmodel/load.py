@@ -1,7 +1,11 @@
 """``engine.load_state_dict(state_dict_or_path)``: pretrained weights, shard by shard (chapter 6).
 
-The source is a dict of tensors, a ``torch.save`` file (``.pt``/``.pth``/``.bin``)
-or a ``.safetensors`` file. Files are memory-mapped, never read whole: each
+The source is a dict of tensors, a ``torch.save`` file (``.pt``/``.pth``/``.bin``),
+a ``.safetensors`` file, a Hugging Face sharded checkpoint's ``*.index.json``
+(every shard it names) or a ``save_pretrained`` folder. A tied parameter is one
+parameter under several names: any of them in the file loads it (HF's files
+leave the aliases out); a PEFT adapter file's names load into the model's
+``...default...`` adapter. Files are memory-mapped, never read whole: each
 rank copies, parameter by parameter, only the elements of its own shard
 (stage 3; stages 0-2 keep every parameter, so they copy all of them), and the
 pages it never touches are never read. The 16-bit parameters take the cast
@@ -73,6 +77,33 @@ def save_safetensors(tensors: dict, path) -> None:
             f.write(b)
 
 
+# what a Hugging Face save_pretrained folder holds, in the order its own loader looks for them
+HF_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+            "adapter_model.safetensors", "adapter_model.bin")
+
+
+def with_aliases(sd: dict, current: dict) -> dict:
+    """``sd`` with every name of a tied parameter filled from whichever of its names the file has (HF's
+    ``save_pretrained`` leaves the aliases out), and a PEFT adapter file's names (``...lora_A.weight``)
+    under the model's (``...lora_A.default.weight``, the adapter PEFT calls "default"). Views only."""
+    out = dict(sd)
+    names: dict = {}
+    for k, t in current.items():
+        names.setdefault(id(t), []).append(k)
+    for group in names.values():
+        have = next((k for k in group if k in sd), None)
+        for k in group if have is not None else ():
+            out.setdefault(k, sd[have])
+    for k in current:
+        if k not in out and ".default." in k:
+            bare = k.replace(".default.", ".", 1)
+            for cand in (bare, "base_model.model." + bare):
+                if cand in sd:
+                    out[k] = sd[cand]
+                    break
+    return out
+
+
 def open_state_dict(src) -> tuple[dict, str]:
     """``(name -> tensor, description)`` for a dict, a .safetensors file or a torch.save file."""
     if isinstance(src, dict):
@@ -80,8 +111,23 @@ def open_state_dict(src) -> tuple[dict, str]:
     if not isinstance(src, (str, os.PathLike)):
         raise TypeError(f"load_state_dict takes a dict or a path, got {type(src).__name__}")
     path = os.fspath(src)
+    if os.path.isdir(path):   # a save_pretrained folder: its single file, or its index of shards
+        found = [n for n in HF_FILES if os.path.isfile(os.path.join(path, n))]
+        if not found:
+            raise FileNotFoundError(f"load_state_dict: no {' / '.join(HF_FILES)} in the folder {path!r}")
+        path = os.path.join(path, found[0])
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_state_dict: no file {path!r}")
+    if path.endswith(".index.json"):   # Hugging Face's sharded checkpoint: every shard, memory-mapped
+        with open(path) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"load_state_dict: {path!r} has no 'weight_map' (not a sharded checkpoint's index)")
+        sd = {}
+        for shard in dict.fromkeys(weight_map.values()):
+            part, _ = open_state_dict(os.path.join(os.path.dirname(path), shard))
+            sd.update({k: v for k, v in part.items() if weight_map.get(k) == shard})
+        return sd, path
     if path.endswith(".safetensors"):
         return read_safetensors(path), path
     try:
@@ -116,9 +162,12 @@ def check_keys(expected: dict, sd: dict, where: str, strict: bool) -> tuple[list
 @torch.no_grad()
 def load_state_dict(engine, src, strict: bool = True) -> tuple[list, list]:
     """Load ``src`` into ``engine`` (see the module docstring); returns (missing, unexpected)."""
-    sd, where = open_state_dict(src)
+    raw, where = open_state_dict(src)
     flat, model = engine.flat, engine.module
     current = model.state_dict(keep_vars=True)
+    sd = with_aliases(raw, current)   # tied names are one parameter; PEFT's adapter names
+    used = {id(v) for k, v in sd.items() if k in current}
+    sd = {k: v for k, v in sd.items() if k in current or id(v) not in used}   # aliases consumed: not unexpected
     expected = {k: flat.shapes.get(id(t), t.shape) for k, t in current.items()}
     missing, unexpected = check_keys(expected, sd, where, strict)
     if hasattr(engine, "release_all"):
@@ -152,10 +201,7 @@ def load_state_dict(engine, src, strict: bool = True) -> tuple[list, list]:
     for name, t in current.items():
         if name in sd and id(t) in whole:
             t.data.copy_(sd[name])   # frozen parameters kept whole, and buffers
-    engine.uninitialised.difference_update(k for k in current if k in sd)
-    for name, t in current.items():   # tied parameters are complete when one of their names was loaded
-        if name in sd and isinstance(t, torch.nn.Parameter):
-            engine.uninitialised.difference_update(n for n, q in current.items() if q is t)
+    engine.uninitialised.difference_update(k for k in current if k in sd)   # only what was copied
     return missing, unexpected
 
 
