@@ -47,6 +47,7 @@ _EXPORTS = {
     # engines (chapters 3-9)
     "initialize": "zerolab.engine",
     "gathered_parameters": "zerolab.engine",
+    "zero_init": "zerolab.engine.bigmodel.zero_init",     # partitioned construction (chapter 6)
     "consolidate_fp32": "zerolab.engine.checkpoint.consolidate",     # checkpoints (chapter 8)
     "CheckpointError": "zerolab.engine.checkpoint.files",
     # book helpers

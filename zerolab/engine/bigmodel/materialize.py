@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from zerolab.runtime.measure import trim_heap
+from zerolab.engine.bigmodel.zero_init import gather_piece
 from zerolab.engine.flat import released
 
 
@@ -53,7 +54,9 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
     for n, p in model.named_parameters():
         names.setdefault(id(p), n)
     owners = direct_owners(model)
-    pending = {id(p) for _, p in model.named_parameters() if p.is_meta}
+    hf = hf_model(model)   # a Hugging Face model initialises its modules its own way (_init_weights)
+    # meta parameters to build here; under zl.zero_init a HF model's too (its post_init ran on partitioned modules)
+    pending = {id(p) for _, p in model.named_parameters() if p.is_meta and (hf is not None or not hasattr(p, "_zl_piece"))}
     frozen = {id(p) for _, p in flat.frozen}
     meta_buffers = set()   # (module id, buffer name): no values unless a BatchNorm's reset fills them
     uninit: set = set()
@@ -68,7 +71,6 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
         if isinstance(m, nn.modules.batchnorm._NormBase):
             norm_stats[id(m)] = [f"{mname}.{k}" if mname else k for k in m._buffers if (id(m), k) in meta_buffers]
 
-    hf = hf_model(model)   # a Hugging Face model initialises its modules its own way (_init_weights)
     lora = {id(m): part for n, m in model.named_modules() for part in ("lora_A", "lora_B") if f".{part}." in f".{n}."}
 
     def build(members: set, modules) -> None:
@@ -97,6 +99,9 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
         for (_, p), view in zip(flat.units[i].params, flat.unit_views[i]):
             if not p.is_meta:
                 view.copy_(p.data)
+            elif hasattr(p, "_zl_piece"):   # built under zl.zero_init: every rank's piece (zero_init.py)
+                view.copy_(gather_piece(p, communicator).view(view.shape))
+                del p._zl_piece
             set_data(p, view)
 
     def share(i: int, flat=flat) -> None:
@@ -142,7 +147,11 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
         communicator.broadcast(flat.flat, src=0, tag="init-params")
 
     for _, p in flat.frozen:   # frozen parameters whose modules hold no trainable ones (a LoRA base layer)
-        if p.is_meta:
+        if p.is_meta and hasattr(p, "_zl_piece"):
+            full = gather_piece(p, communicator).view(p.shape).to(device=flat.device, dtype=flat.dtype)
+            del p._zl_piece
+            set_data(p, full)
+        elif p.is_meta:
             build(frozen, owners[id(p)])
     for n, p in flat.frozen:
         if p.is_meta:
