@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import zerolab as zl
+
 from zerolab.engine.checkpoint import ds_files as dsc, ds_merge
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
@@ -285,3 +287,13 @@ def test_cli_consolidate_reads_deepspeed(tmp_path):
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
     assert "refusing to load" in run.stderr and "system" in run.stderr, run.stderr
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "o.pt").exists()
+
+
+def test_load_checkpoint_on_a_deepspeed_folder_says_what_it_is(tmp_path):
+    """engine.load_checkpoint pointed at DeepSpeed's files names them, rather than a missing manifest."""
+    from zerolab.book.models import MLP
+    from zerolab.engine.checkpoint.files import CheckpointError
+    engine = zl.initialize(MLP(seed=0), {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                                         "zero_optimization": {"stage": 1}})
+    with pytest.raises(CheckpointError, match="DeepSpeed's checkpoint files, not a zerolab checkpoint"):
+        engine.load_checkpoint(str(FIXTURES / CHECKPOINTS[0]))

@@ -250,3 +250,17 @@ def test_parameters_sharing_memory_are_refused():
     model[1].weight = nn.Parameter(model[0].weight.data[:, :])  # a second Parameter over the same memory
     with pytest.raises(ValueError, match="shares memory"):
         zl.initialize(model, ADAM)
+
+
+def test_a_skipped_fp16_step_counts_in_global_steps_as_in_deepspeed():
+    """DeepSpeed's engine advances global_steps on an overflow-skipped step too (its checkpoint tags
+    and logs count it); skipped_steps says how many were skipped."""
+    model = MLP(seed=0)
+    engine = zl.initialize(model, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                   "fp16": {"enabled": True, "initial_scale_power": 4}})
+    x, y = synthetic_batch(model, 4)
+    engine.backward(loss_fn(engine(x), y) * float("inf"))   # overflow: the step is skipped
+    engine.step()
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    assert (engine.global_steps, engine.skipped_steps, engine.optimizer.step_count) == (2, 1, 1)

@@ -212,6 +212,7 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
         if self.scaler is not None and self._overflow(grads):
             self.scaler.update(True)
             self.skipped_steps += 1
+            self.global_steps += 1   # DeepSpeed counts a skipped step too (its tags and logs do)
             self.zero_grads()
             return
         math = getattr(self.optimizer, "math", self.optimizer)   # offload's optimizer keeps torch's maths in .math
