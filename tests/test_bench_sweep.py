@@ -67,6 +67,12 @@ def test_sweep_writes_bench_json_figure_and_tables(small):
     with open(os.path.join(out, "bench.json")) as f:
         doc = json.load(f)
     assert doc["mode"] == "compare" and doc["runs"] == [1] and len(doc["sweep"]) == 8
+    # a later sweep adds its points and replaces only the ones it measured again
+    later = dict(result, sweep=[dict(r, model="large") for r in result["sweep"][:2]] + result["sweep"][2:3])
+    save(later, str(out))
+    with open(os.path.join(out, "bench.json")) as f:
+        doc = json.load(f)
+    assert len(doc["sweep"]) == 10 and len(doc["sweep_settings"]) == 2   # the compare doc had none
 
 
 @pytest.mark.slow

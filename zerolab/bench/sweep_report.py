@@ -78,13 +78,15 @@ def plot(result: dict, path: str) -> str | None:
     for (row, key, formula, ylabel) in ((0, "peak_bytes", "formula_bytes", "peak per rank (MB)"),
                                         (1, "median_ms", "floor_ms", "step time (ms)")):
         for s in stages:
-            pts = sorted((r["psi"], r) for r in ours if r["stage"] == s and r["world_size"] == n_max)
+            pts = sorted(((r["psi"], r) for r in ours if r["stage"] == s and r["world_size"] == n_max),
+                         key=lambda p: p[0])
             xs = [p for p, _ in pts]
             scale = MB if row == 0 else 1
             axes[row, 0].plot(xs, [r[key] / scale for _, r in pts], "o-", color=f"C{s}", label=f"stage {s}")
             axes[row, 0].plot(xs, [_formula(r, formula) / scale for _, r in pts], "--", color=f"C{s}", lw=1)
             for m, marker in zip(sorted({r["model"] for r in ours}, key=lambda m: _psi(ours, m)), "os^"):
-                pts = sorted((r["world_size"], r) for r in ours if r["stage"] == s and r["model"] == m)
+                pts = sorted(((r["world_size"], r) for r in ours if r["stage"] == s and r["model"] == m),
+                             key=lambda p: p[0])
                 if len(pts) > 1:
                     axes[row, 1].plot([n for n, _ in pts], [r[key] / scale for _, r in pts], marker + "-",
                                       color=f"C{s}", label=f"{m}, stage {s}" if row == 0 else None, ms=4)
@@ -116,9 +118,16 @@ def _psi(rows, model) -> int:
     return next(r["psi"] for r in rows if r["model"] == model)
 
 
+def _key(r: dict) -> tuple:
+    return r["model"], r["world_size"], r["stage"], r["kind"], r["scaling"]
+
+
 def save(result: dict, out: str) -> dict:
-    """Add ``sweep`` (and its settings, notes, raw runs) to ``out/bench.json``, keeping what a compare
-    run wrote there (or making a minimal one); write ``sweep.png`` and ``sweep.md`` beside it."""
+    """Add the sweep's rows to the list ``sweep`` of ``out/bench.json``, keeping what a compare run
+    wrote there (or making a minimal one) and the points of earlier sweeps that this one did not
+    measure again (so ``--models large --world-sizes 4`` adds to a sweep of the smaller sizes);
+    ``sweep_settings``, ``sweep_notes`` and ``sweep_runs`` collect each run's. Writes ``sweep.png``
+    and ``sweep.md`` (of all the points) beside it."""
     from zerolab.bench.runner import SCHEMA
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "bench.json")
@@ -126,7 +135,12 @@ def save(result: dict, out: str) -> dict:
     if os.path.exists(path):
         with open(path) as f:
             doc = json.load(f)
-    doc.update(result)
+    new = {_key(r) for r in result["sweep"]}
+    doc["sweep"] = [r for r in doc.get("sweep", []) if _key(r) not in new] + result["sweep"]
+    doc["sweep_settings"] = doc.get("sweep_settings", []) + [result["sweep_settings"]]
+    doc["sweep_notes"] = doc.get("sweep_notes", []) + result["sweep_notes"]
+    doc["sweep_runs"] = doc.get("sweep_runs", []) + result["sweep_runs"]
+    result = doc
     files = {"json": path, "md": os.path.join(out, "sweep.md")}
     try:
         if plot(result, os.path.join(out, "sweep.png")):
