@@ -42,10 +42,15 @@ def test_memory_per_rank_equals_the_formula_at_the_small_size(small):
         # the rest of the tensor peak: the step's activations (+ the engine's working set, stages 2-3)
         assert r["rest_bytes"] == r["peak_bytes"] - r["model_state_bytes"]
         assert r["rest_model_bytes"] == rest_model("small", 2, 2, r["stage"])
-        if r["stage"] < 3:
+        if r["stage"] < 2:
             assert r["rest_ratio"] == pytest.approx(1.0, abs=0.10), r
-        else:   # stage 3 keeps about 1.3x the modelled working set (README, issue 28 note): bounded here
-            assert 0.9 < r["rest_ratio"] < 1.5, r
+        else:
+            # stages 2-3 add the engine's working set of full-size units (gradient staging, gathered
+            # parameters), freed as the engine sees each collective complete: how many units are alive
+            # at the peak varies from run to run (TinyGPT small, 2 ranks: 1 to 4 at stage 2), so the
+            # bound is the activations below and a few units above, not 10%
+            unit = 4 * largest_unit("small")
+            assert 0.9 * r["step_model_bytes"] < r["rest_bytes"] < r["step_model_bytes"] + 6 * unit, r
 
 
 @pytest.mark.slow
