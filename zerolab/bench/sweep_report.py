@@ -96,6 +96,10 @@ def plot(result: dict, path: str) -> str | None:
     for ax in axes.flat:
         ax.set_xscale("log")
         ax.set_yscale("log")
+    ns = sorted({r["world_size"] for r in ours})
+    for ax in axes[:, 1]:
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.minorticks_off()
     axes[1, 0].set_xlabel(f"Ψ (parameters), N = {n_max}")
     axes[1, 1].set_xlabel("N ranks (fixed global batch)")
     for ax, size in ((axes[0, 0], 7), (axes[0, 1], 6)):
