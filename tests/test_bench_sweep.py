@@ -136,3 +136,13 @@ def test_cli_sweep_narrowed_to_one_point(monkeypatch):
     assert args.sweep and args.models is None
     assert main(["bench", "--models", "small", "--out", ""]) == 2          # --models belongs to --sweep
     assert main(["bench", "--sweep", "--overlap", "--out", ""]) == 2
+
+
+def test_where_sorts_operators_into_kinds():
+    from zerolab.bench.where import kind_of
+    assert kind_of("torch::autograd::AccumulateGrad") == "grad hooks"     # not "compute" for its "mul"
+    assert kind_of("c10d::reduce_scatter_") == kind_of("c10d::_allgather_base_") == "collectives"
+    assert kind_of("FSDP::all_gather (blocks.3)") == "peer ops"
+    assert kind_of("aten::mm") == kind_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "compute"
+    assert kind_of("aten::copy_") == kind_of("aten::cat") == "copies"
+    assert kind_of("autograd::engine::evaluate_function: AddBackward0") == "other ops"

@@ -3,7 +3,8 @@
 Files: ``specs`` (who runs: one ``Spec`` per contender), ``runner`` (contenders
 side by side in one process tree, interleaved rounds, ``bench.json``), ``cli``
 (the command's arguments), ``sweep`` (``--sweep``: Ψ x N x stage, strong and weak
-scaling, memory against the formula), ``peers`` (torch DDP, ZeroRedundancyOptimizer, FSDP2,
+scaling, memory against the formula; ``sweep_report``, ``activations``), ``where``
+(one point's step, profiled), ``peers`` (torch DDP, ZeroRedundancyOptimizer, FSDP2,
 DeepSpeed built on the same model), ``report`` (ratios, plot), ``offload``
 (``python -m zerolab.bench.offload``: the CPU Adam step and each offload tier).
 """
