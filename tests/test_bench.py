@@ -8,6 +8,7 @@ import os
 import pytest
 
 from zerolab.bench import runner as bench
+from zerolab.bench import specs as sp
 from zerolab.bench import peers as bp
 from zerolab.bench import report
 from zerolab.cli import build_parser, main
@@ -25,7 +26,7 @@ def smoke(tmp_path_factory):
     def with_mutant(stages, world_size, batch, *args):
         specs, notes = original(stages, world_size, batch, *args)
         cfg = bp.ds_config(0, batch // world_size, lr=MUTANT_LR)
-        return specs + [bench.Spec("ddp-mutant", "ddp", 0, "torch DDP, other lr", cfg)], notes
+        return specs + [sp.Spec("ddp-mutant", "ddp", 0, "torch DDP, other lr", cfg)], notes
 
     bench.compare_specs = with_mutant
     try:
@@ -42,7 +43,7 @@ def test_smoke_schema_and_files(smoke):
     result, out = smoke
     assert result["schema"] == bench.SCHEMA and result["mode"] == "compare"
     s = result["settings"]
-    assert s["model"] == "tiny" and s["threads_per_rank"] == 1 and s["params"] == bench.model_params("tiny")
+    assert s["model"] == "tiny" and s["threads_per_rank"] == 1 and s["params"] == sp.model_params("tiny")
     assert [w["world_size"] for w in result["runs"]] == [2]
     with open(os.path.join(out, "bench.json")) as f:
         assert json.load(f)["runs"][0]["ratios"] == result["runs"][0]["ratios"]
@@ -128,7 +129,7 @@ def test_ds_config_is_plain_adam_without_clipping():
 
 
 def test_compare_specs_share_one_config():
-    specs, _ = bench.compare_specs([1, 2], 2, 8, overlap_comm=True, bucket=12345)
+    specs, _ = sp.compare_specs([1, 2], 2, 8, overlap_comm=True, bucket=12345)
     assert [s.key for s in specs][:2] == ["ours-1", "zero_redundancy-1"]
     for s in specs:
         assert s.cfg["zero_optimization"] == dict(stage=s.stage, overlap_comm=True, reduce_bucket_size=12345,
@@ -138,14 +139,14 @@ def test_compare_specs_share_one_config():
 
 def test_without_deepspeed_its_rows_are_skipped_with_a_note(monkeypatch):
     monkeypatch.setattr(bp, "deepspeed_available", lambda: False)
-    specs, notes = bench.compare_specs([0, 1, 2, 3], 4, 8)
+    specs, notes = sp.compare_specs([0, 1, 2, 3], 4, 8)
     assert not any(s.kind == "deepspeed" for s in specs)
     assert {"ddp-0", "zero_redundancy-1", "fsdp2-3"} <= {s.key for s in specs}
     assert any("pip install 'zerolab[bench]'" in n for n in notes)
 
 
 def test_overlap_specs_and_speedups():
-    specs, _ = bench.overlap_specs([0, 2], 2, 8, bucket=1000, link="demo")
+    specs, _ = sp.overlap_specs([0, 2], 2, 8, bucket=1000, link="demo")
     assert [s.key for s in specs if s.stage == 0] == [
         "ours-0-serial-loopback", "ours-0-overlap-loopback", "ours-0-serial-demo", "ours-0-overlap-demo"]
     assert all(s.cfg["zero_optimization"]["reduce_bucket_size"] == 1000 for s in specs)
@@ -153,14 +154,14 @@ def test_overlap_specs_and_speedups():
     assert "stage3_prefetch_bucket_size" not in specs[1].cfg["zero_optimization"]
     world = {"contenders": [dict(key=s.key, stage=s.stage, link=s.cfg.get("zerolab", {}).get("link"),
                                  median_ms=10.0 if "serial" in s.key else 8.0) for s in specs]}
-    ups = bench.speedups(world)
+    ups = report.speedups(world)
     assert len(ups) == 4 and all(u["speedup"] == pytest.approx(1.25) for u in ups)
     assert {u["link"] for u in ups} == {"loopback", "demo"}
 
 
 def test_overlap_specs_stage3_toggle_prefetch(monkeypatch):
     monkeypatch.setattr(bp, "ours_available", lambda stage: True)
-    specs, _ = bench.overlap_specs([3], 2, 8, bucket=1000, link="demo")
+    specs, _ = sp.overlap_specs([3], 2, 8, bucket=1000, link="demo")
     zero = {s.key: s.cfg["zero_optimization"] for s in specs}
     assert zero["ours-3-serial-loopback"]["stage3_prefetch_bucket_size"] == 0
     assert zero["ours-3-overlap-demo"]["stage3_prefetch_bucket_size"] == 1000
@@ -180,8 +181,8 @@ def test_cli_arguments(capsys):
 def test_memory_pass_sees_the_model_states():
     """small TinyGPT (Ψ = 3.7M): stage 0 holds 16Ψ bytes of fp32 Adam states, stage 2 on
     2 ranks 10Ψ; the resident bytes measured per contender must show that."""
-    psi = bench.model_params("small")
-    specs = [s for s in bench.compare_specs([0, 2], 2, 8)[0] if s.kind == "ours"]
+    psi = sp.model_params("small")
+    specs = [s for s in sp.compare_specs([0, 2], 2, 8)[0] if s.kind == "ours"]
     world = bench.run_world(specs, 2, "small", 8, steps=1, repeats=1, warmup=1, memory=True, timeout=120)
     rows = {r["key"]: r for r in world["contenders"]}
     for key, per_param in (("ours-0", 16), ("ours-2", 10)):

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from zerolab.bench import runner as bench
+from zerolab.bench import specs as sp
 from zerolab.bench.floor import floor_ms, with_floor
 from zerolab.bench.report import plot_memory, world_table
 from zerolab.theory.network import ring_bytes
@@ -33,7 +34,7 @@ def test_bench_reports_floor_efficiency_and_memory(tmp_path):
     world = result["runs"][0]
     f = world["floor"]
     assert f["compute_ms"] > 0 and f["comm_ms"] > 0
-    assert f["comm_bytes"] == ring_bytes("all_reduce", 4 * bench.model_params("tiny"), 2)
+    assert f["comm_bytes"] == ring_bytes("all_reduce", 4 * sp.model_params("tiny"), 2)
     for r in world["contenders"]:
         assert 0 < r["efficiency"] < 5 and r["floor_ms"] >= f["compute_ms"], r
         assert r["peak_minus_states_bytes"] == max(r["peak_bytes"]) - r["states_theory_bytes"]

@@ -32,7 +32,7 @@ ALLOWED = {
 }
 NO_TORCH = {"theory", "config"}
 TOP_FILES = {"__init__.py", "__main__.py", "cli.py"}
-MAX_LINES = 350   # 300 once the last long files are split
+MAX_LINES = 300
 
 # the engine's stage stack: the files at engine/ itself (docs/ARCHITECTURE.md, "The engine inside")
 ENGINE_STACK = {"__init__", "accumulate", "api", "base", "buckets", "collectives", "events", "flat", "frozen", "gathered", "groups",

@@ -26,6 +26,9 @@ def test_preset_parameter_counts(name):
 def test_preset_sizes_match_the_book():
     assert sum(p.numel() for p in TinyGPT.preset("tiny").parameters()) == 300_416          # ~0.3M
     assert sum(p.numel() for p in TinyGPT.preset("small").parameters()) == 3_692_032       # 3.69M, the bench model
+    # the sweep's sizes (python -m zerolab bench --sweep), counted without building them
+    assert gpt_params(**PRESETS["medium"]) == 26_301_440                                  # ~26.3M
+    assert gpt_params(**PRESETS["large"]) == 98_484_480                                   # ~98.5M
 
 
 def test_key_bias_and_untied_head():

@@ -193,7 +193,7 @@ COMMANDS = {
     "exercises": ("list the exercises, copy them to a folder, or reset one", *_lazy("grading.grader", "exercises")),
     "consolidate": ("a sharded checkpoint (zerolab's or DeepSpeed's) -> one fp32 state dict file",
                     *_lazy("engine.checkpoint.consolidate", "consolidate")),
-    "bench": ("time zerolab against torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed", *_lazy("bench.runner", "bench")),
+    "bench": ("time zerolab against torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed", *_lazy("bench.cli", "bench")),
 }
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from zerolab.book.models import TinyGPT, loss_fn
 
 LR = 1e-3
-BENCH_MODELS = ("tiny", "small")  # TinyGPT presets: ~0.3M and ~3.7M parameters
+BENCH_MODELS = ("tiny", "small", "medium", "large")  # TinyGPT presets: ~0.3M, 3.7M, 26M, 98M parameters
 
 
 def ds_config(stage: int, micro_batch: int, lr: float = LR, overlap_comm=None, bucket: int | None = None,

@@ -34,74 +34,13 @@ import os
 import statistics
 import time
 import warnings
-from dataclasses import dataclass
 
 from zerolab.bench import peers as bp
 from zerolab.bench.floor import BareAllReduce, FloorCompute, floor_ms, with_floor
-from zerolab.bench.report import ratios, speedups  # noqa: F401 - summaries of one world size
+from zerolab.bench.report import ratios, speedups
+from zerolab.bench.specs import compare_specs, model_params, overlap_specs
 
 SCHEMA = "zerolab-bench/1"
-
-
-@dataclass
-class Spec:
-    """One contender: which runner, which stage, which config."""
-    key: str     # unique in a run, e.g. "ours-1", "deepspeed-1", "ours-2-overlap-demo"
-    kind: str    # a key of bench_peers.KINDS
-    stage: int
-    label: str
-    cfg: dict
-
-
-def model_params(preset: str) -> int:
-    return sum(p.numel() for p in bp.build_model(preset).parameters())
-
-
-def compare_specs(stages, world_size: int, batch: int, overlap_comm=None,
-                  bucket=None) -> tuple[list[Spec], list[str]]:
-    """Ours at each stage, then its peers (bench_peers.PEERS); notes say what was skipped.
-    ``overlap_comm`` / ``bucket`` go into the config ours and DeepSpeed share (None: defaults)."""
-    specs, notes, micro = [], [], batch // world_size
-    have_ds = bp.deepspeed_available()
-    if not have_ds and any(s in (1, 2, 3) for s in stages):
-        notes.append("DeepSpeed is not installed (pip install 'zerolab[bench]'): its rows are skipped")
-    for s in stages:
-        cfg = bp.ds_config(s, micro, overlap_comm=overlap_comm, bucket=bucket)
-        if bp.ours_available(s):
-            specs.append(Spec(f"ours-{s}", "ours", s, bp.label("ours", s), cfg))
-        else:
-            notes.append(f"zerolab stage {s} is not implemented yet: only its peers run")
-        for kind in bp.PEERS[s]:
-            if kind == "deepspeed" and not have_ds:
-                continue
-            specs.append(Spec(f"{kind}-{s}", kind, s, bp.label(kind, s), cfg))
-    if any(sp.kind == "deepspeed" for sp in specs) and bucket is None:
-        notes.append("DeepSpeed allocates a reduce_bucket_size buffer up front (5e8 fp32 elements = 2 GB by "
-                     "default); on CPU nobody touches its pages, so it is not resident and not in 'peak'")
-    notes.append("algo MB/step counts the ring algorithm's bytes; gloo moves more (its reduce-scatter is an "
-                 "all-reduce inside), so time, not bytes, is where gloo's choices show")
-    return specs, notes
-
-
-def overlap_specs(stages, world_size: int, batch: int, bucket: int, link: str) -> tuple[list[Spec], list[str]]:
-    """Ours only: overlap_comm off/on x raw loopback / simulated ``link``."""
-    specs, notes, micro = [], [], batch // world_size
-    for s in stages:
-        if not bp.ours_available(s):
-            notes.append(f"zerolab stage {s} is not implemented yet: skipped")
-            continue
-        for where in (None, link):
-            for overlap in (False, True):
-                if s == 3:  # stage 3's overlap is prefetch: the next unit's all-gather in flight
-                    knobs, what = dict(overlap_comm=overlap, stage3_prefetch_bucket_size=bucket if overlap else 0), \
-                        "prefetch+overlap"
-                else:
-                    knobs, what = dict(overlap_comm=overlap), "overlap_comm"
-                cfg = bp.ds_config(s, micro, bucket=bucket, link=where, **knobs)
-                key = f"ours-{s}-{'overlap' if overlap else 'serial'}-{where or 'loopback'}"
-                extra = f", {what} {'on' if overlap else 'off'}, {where or 'loopback'}"
-                specs.append(Spec(key, "ours", s, bp.label("ours", s, extra), cfg))
-    return specs, notes
 
 
 # ---------------------------------------------------------------- one rank
@@ -194,13 +133,16 @@ def _memory_pass(spec, preset, warmup, one_step) -> dict:
 
 
 # ---------------------------------------------------------------- the parent
-def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, timeout) -> dict:
-    """Launch ``world_size`` ranks, run every contender, summarise per contender."""
+def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, timeout,
+              memory_main=None) -> dict:
+    """Launch ``world_size`` ranks, run every contender, summarise per contender.
+    ``memory_main``: another memory pass (same arguments and ``peak``/``held``/``pid`` keys as
+    ``_memory_main``; the sweep's counts tensors): its per-rank dicts go into ``memory_ranks``."""
     from zerolab.runtime.launch import launch
     from zerolab.theory.memory import estimate
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the ranks
     _preload({s.kind for s in specs})
-    mem = {s.key: launch(_memory_main, world_size=world_size, threads=1, timeout=timeout,
+    mem = {s.key: launch(memory_main or _memory_main, world_size=world_size, threads=1, timeout=timeout,
                          args=(s, preset, batch, warmup)) if memory else [dict(peak=None, held=None, pid=None)] * world_size
            for s in specs}   # fresh processes per contender: nobody reuses another's freed heap
     per_rank = launch(_rank_main, world_size=world_size, threads=1, timeout=timeout,
@@ -231,6 +173,8 @@ def run_world(specs, world_size, preset, batch, steps, repeats, warmup, memory, 
         with_floor(rows[-1], floor, world_size)
         peaks = [p for p in rows[-1]["peak_bytes"] if p is not None]
         rows[-1]["peak_minus_states_bytes"] = max(peaks) - rows[-1]["states_theory_bytes"] if peaks else None
+        if memory_main is not None:
+            rows[-1]["memory_ranks"] = mem[spec.key]
     return dict(world_size=world_size, contenders=rows, floor=floor)
 
 
@@ -298,36 +242,3 @@ def _ds_version():
         return None
     from importlib.metadata import version
     return version("deepspeed")
-
-
-# ---------------------------------------------------------------- command line (cli.COMMANDS)
-def add_bench_args(p):
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="N")
-    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4), metavar="S")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
-    p.add_argument("--repeats", type=int, default=10, help="interleaved rounds")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first")
-    p.add_argument("--model", choices=sorted(bp.BENCH_MODELS), default="small")
-    p.add_argument("--batch", type=int, default=8, help="global batch (rows of seq_len tokens)")
-    p.add_argument("--out", default="build/bench", help="folder for bench.json and bench.png ('' = none)")
-    p.add_argument("--overlap", action="store_true", help="ours only: overlap_comm off/on, loopback and --link")
-    p.add_argument("--link", default=None, help="simulated link for --overlap (zerolab.theory.network.LINKS; default demo)")
-    p.add_argument("--bucket", type=float, default=None,
-                   help="reduce/allgather_bucket_size in elements for ours and DeepSpeed (default: DeepSpeed's "
-                        "5e8; with --overlap: Ψ/4)")
-    p.add_argument("--overlap-comm", choices=("on", "off"), default=None,
-                   help="overlap_comm for ours and DeepSpeed (default: DeepSpeed's, off for stages 0-2)")
-    p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the profiler memory pass")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
-
-
-def cmd_bench(args) -> int:
-    if args.link is not None:
-        from zerolab.theory.network import get_link
-        get_link(args.link)  # ValueError names the presets
-    bench(world_sizes=args.world_sizes, stages=args.stages, steps=args.steps, repeats=args.repeats,
-          model=args.model, out=args.out, overlap=args.overlap, link=args.link,
-          bucket=int(args.bucket) if args.bucket else None,
-          overlap_comm=None if args.overlap_comm is None else args.overlap_comm == "on",
-          batch=args.batch, warmup=args.warmup, memory=args.memory, timeout=args.timeout)
-    return 0

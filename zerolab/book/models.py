@@ -26,6 +26,9 @@ PRESETS = {
     "micro": dict(vocab=128, n_layer=2, n_head=2, d_model=32, seq_len=16),     # ~0.03M
     "tiny": dict(vocab=1536, n_layer=4, n_head=4, d_model=64, seq_len=32),     # ~0.30M
     "small": dict(vocab=2048, n_layer=4, n_head=4, d_model=256, seq_len=32),   # ~3.69M (the bench model)
+    # the bench's scaling sweep (python -m zerolab bench --sweep): fp32 Adam on 4 ranks fits in 24 GB
+    "medium": dict(vocab=2048, n_layer=8, n_head=8, d_model=512, seq_len=64),   # 26,301,440 (~26.3M)
+    "large": dict(vocab=8192, n_layer=13, n_head=12, d_model=768, seq_len=64),  # 98,484,480 (~98.5M)
 }
 
 

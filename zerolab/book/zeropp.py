@@ -57,7 +57,7 @@ def predicted_ops(e, units=None):
 
     With qgZ the gradients are predicted bucket by bucket, as the engine reduces them: the units
     holding a matrix through qgZ with the bucket's group size, the units of vectors only through
-    the plain 16-bit reduce-scatter (``zerolab.engine.zeropp``'s docstring)."""
+    the plain 16-bit reduce-scatter (``zerolab.engine.zeropp.engine``'s docstring)."""
     z, units = e.config.zero, units or [u.numel for u in e.flat.units]
     k = e.communicator.ranks_per_node
 

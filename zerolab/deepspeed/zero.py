@@ -3,7 +3,7 @@
 ``zero.Init`` here builds the model on the **meta device**: inside the block
 every parameter is a shape without storage, so no rank ever holds the whole
 model; ``deepspeed.initialize`` then materialises it unit by unit (stage 3:
-each rank allocates only its shard; ``zerolab.engine.materialize``), filling
+each rank allocates only its shard; ``zerolab.engine.bigmodel.materialize``), filling
 the values with each module's ``reset_parameters()``. DeepSpeed's ``zero.Init``
 instead runs the constructors for real and partitions each parameter as soon as
 its module is built. Two consequences: a model's ``__init__`` that computes a

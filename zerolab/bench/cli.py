@@ -1,0 +1,68 @@
+"""``python -m zerolab bench``'s arguments and entry point (``zerolab.cli.COMMANDS``).
+
+Without ``--sweep``: the side-by-side bench (``runner.bench``); with it, the
+scaling sweep (``sweep.sweep``), narrowed by the same ``--models``,
+``--world-sizes`` and ``--stages``.
+"""
+from __future__ import annotations
+
+from zerolab.bench import peers as bp
+from zerolab.bench.runner import bench
+
+
+# defaults: (bench, --sweep)
+DEFAULTS = dict(world_sizes=([2, 4], [1, 2, 4]), steps=(2, 1), repeats=(10, 3), warmup=(2, 1), batch=(8, 4))
+
+
+def add_bench_args(p):
+    p.add_argument("--world-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="default: 2 4 (--sweep: 1 2 4)")
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4), metavar="S")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per contender per round (default 2; --sweep 1)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 10; --sweep 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender first (default 2; --sweep 1)")
+    p.add_argument("--model", choices=sorted(bp.BENCH_MODELS), default="small")
+    p.add_argument("--batch", type=int, default=None,
+                   help="global batch (rows of seq_len tokens; default 8; --sweep: 4, the strong-scaling batch)")
+    p.add_argument("--sweep", action="store_true",
+                   help="the scaling sweep: --models x --world-sizes x --stages, strong and weak scaling, "
+                        "memory against the formula (adds 'sweep' to bench.json, writes sweep.png and sweep.md)")
+    p.add_argument("--models", nargs="+", choices=sorted(bp.BENCH_MODELS), default=None, metavar="MODEL",
+                   help="--sweep: TinyGPT presets (default: small medium large)")
+    p.add_argument("--micro-batch", type=int, default=1, help="--sweep: rows per rank for weak scaling")
+    p.add_argument("--no-peers", dest="peers", action="store_false", help="--sweep: ours only")
+    p.add_argument("--out", default="build/bench", help="folder for bench.json and bench.png ('' = none)")
+    p.add_argument("--overlap", action="store_true", help="ours only: overlap_comm off/on, loopback and --link")
+    p.add_argument("--link", default=None, help="simulated link for --overlap (zerolab.theory.network.LINKS; default demo)")
+    p.add_argument("--bucket", type=float, default=None,
+                   help="reduce/allgather_bucket_size in elements for ours and DeepSpeed (default: DeepSpeed's "
+                        "5e8; with --overlap: Ψ/4)")
+    p.add_argument("--overlap-comm", choices=("on", "off"), default=None,
+                   help="overlap_comm for ours and DeepSpeed (default: DeepSpeed's, off for stages 0-2)")
+    p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the profiler memory pass")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
+
+
+def cmd_bench(args) -> int:
+    for name, (plain, sweep) in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, sweep if args.sweep else plain)
+    if args.sweep:
+        from zerolab.bench.sweep import SWEEP_MODELS, sweep
+        if args.overlap or args.link is not None:
+            raise ValueError("--sweep times the contenders side by side: no --overlap or --link")
+        sweep(models=args.models or SWEEP_MODELS, world_sizes=args.world_sizes, stages=args.stages,
+              global_batch=args.batch, micro_batch=args.micro_batch, steps=args.steps, repeats=args.repeats,
+              warmup=args.warmup, out=args.out, timeout=args.timeout, peers=args.peers)
+        return 0
+    if args.models is not None:
+        raise ValueError("--models narrows --sweep; the bench takes one --model")
+    if args.link is not None:
+        from zerolab.theory.network import get_link
+        get_link(args.link)  # ValueError names the presets
+    bench(world_sizes=args.world_sizes, stages=args.stages, steps=args.steps, repeats=args.repeats,
+          model=args.model, out=args.out, overlap=args.overlap, link=args.link,
+          bucket=int(args.bucket) if args.bucket else None,
+          overlap_comm=None if args.overlap_comm is None else args.overlap_comm == "on",
+          batch=args.batch, warmup=args.warmup, memory=args.memory, timeout=args.timeout)
+    return 0
