@@ -3,14 +3,17 @@
 Stage 3 plus three ideas from the ZeRO++ paper (Wang et al. 2023), each a
 config key as in DeepSpeed, each changing one collective of stage 3:
 
-    qwZ  zero_quantized_weights      every weight all-gather (forward and backward) sends the
+    qwZ  zero_quantized_weights      a unit's weight all-gather (forward and backward) sends the
                                      shard block-quantized to int8 with one fp32 scale per group
                                      of ``qwz_group_size`` elements (8,000: DeepSpeed's target);
-                                     each rank dequantizes into the compute dtype
+                                     each rank dequantizes into the compute dtype. The persistent
+                                     unit's all-gather after the step stays 16-bit
     hpZ  zero_hpz_partition_size: H  after the forward gather a rank keeps a *secondary* 1/H
                                      shard of the unit's 16-bit weights, shared with the H-1
-                                     ranks next to it in its node; the backward gather is an
-                                     all-gather of those inside the node, never across nodes
+                                     ranks next to it in its node; a backward gather is an
+                                     all-gather of those inside the node. With prefetch on (the
+                                     default) units kept gathered from forward to backward need
+                                     no backward gather, and the secondary shard is not read
     qgZ  zero_quantized_gradients    the gradient reduce-scatter becomes a hierarchical int4
                                      all-to-all: inside the node, dequantize and sum, then
                                      across nodes, dequantize and sum (``qgz_reduce``)
