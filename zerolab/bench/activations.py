@@ -23,7 +23,8 @@ how many are alive at the peak varies from run to run, and the sweep prints the 
 from __future__ import annotations
 
 from zerolab.book.models import PRESETS
-from zerolab.theory.memory import activation_memory, gathered_working_set
+from zerolab.theory.activations import activation_memory
+from zerolab.theory.memory import gathered_working_set
 
 
 def _shape(model: str) -> tuple[int, int, int, int, int]:
