@@ -14,7 +14,8 @@ from zerolab.bench.activations import activation_bytes, largest_unit, rest_model
 from zerolab.bench.sweep_report import markdown
 from zerolab.book.models import PRESETS
 from zerolab.cli import build_parser, main
-from zerolab.theory.memory import activation_memory, estimate
+from zerolab.theory.activations import activation_memory
+from zerolab.theory.memory import estimate
 
 KEYS = {"model", "psi", "world_size", "stage", "label", "model_state_bytes", "estimate_bytes", "peak_bytes",
         "median_ms", "floor_ms", "efficiency", "scaling", "rest_model_bytes"}
