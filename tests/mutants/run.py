@@ -74,7 +74,8 @@ def run_one(m: Mutant, timeout: float, python: str) -> tuple[str, float, str]:
             verdict = "killed"
             out += "\n(timed out: counted as killed)"
     lines = out.strip().splitlines()
-    failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]   # what caught it
+    failed = [ln.replace(f"{os.path.relpath(ROOT, tmp)}/", "") for ln in lines
+              if ln.startswith(("FAILED", "ERROR"))]   # what caught it
     tail = "\n".join((failed or lines[-3:])[:2])
     return verdict, time.monotonic() - t0, tail
 
