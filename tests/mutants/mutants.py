@@ -119,7 +119,7 @@ MUTANTS = [
     Mutant("stage1-overlap-not-copied", "zerolab/engine/stage1.py",
            "torch._foreach_copy_([self.own(g, u) for u in b], [o[: u.shard] for u, o in zip(b, outs)])",
            "pass",
-           (EQ2,), "stages 1 with overlap_comm and reduce-scatter: the reduced shards are never copied into place"),
+           (EQ2,), "stage 1 with overlap_comm and reduce-scatter: the reduced shards are never copied into place"),
     Mutant("stage2-writes-not-adds", "zerolab/engine/stage2.py",
            "first = self.micro_steps % self.gas == 0",
            "first = True",

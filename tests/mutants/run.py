@@ -3,7 +3,8 @@
 For each mutant: copy ``zerolab/`` into a fresh temporary directory, replace the mutant's
 snippet (it must occur exactly once), and run the tests that should catch it with
 ``pytest -x -q`` from that directory, ``PYTHONPATH`` pointing at the copy, under a timeout.
-The working tree is never modified. A mutant is
+The working tree is never modified. First every named test runs once on the unmutated
+package (the baseline: a test failing there would "kill" every mutant naming it). A mutant is
 
     killed      the tests failed (or ran past the timeout: a hang is a failure too)
     survived    the tests passed: the bug they guard against goes unnoticed
@@ -45,13 +46,14 @@ def apply(m: Mutant, package_root: Path) -> bool:
     return True
 
 
-def run_one(m: Mutant, timeout: float, python: str) -> tuple[str, float, str]:
-    """(verdict, seconds, last lines of pytest's output) for one mutant."""
+def run_one(m: Mutant, timeout: float, python: str, mutate: bool = True) -> tuple[str, float, str]:
+    """(verdict, seconds, last lines of pytest's output) for one mutant (``mutate=False``: its tests
+    on the package as it is, the baseline)."""
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"zl-mutant-{m.id}-") as tmp:
         tmp = Path(tmp)
         shutil.copytree(ROOT / "zerolab", tmp / "zerolab", ignore=shutil.ignore_patterns("__pycache__"))
-        if not apply(m, tmp):
+        if mutate and not apply(m, tmp):
             return "missing", time.monotonic() - t0, f"snippet not found exactly once in {m.file}"
         env = dict(os.environ, PYTHONPATH=str(tmp), PYTHONDONTWRITEBYTECODE="1")
         # the tests must import the mutated copy, not the working tree (or an installed zerolab)
@@ -86,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant (default 600)")
     ap.add_argument("--list", action="store_true", help="print the table and exit")
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the first run of every named test on the unmutated package")
     args = ap.parse_args(argv)
     known = {m.id for m in MUTANTS}
     unknown = [i for i in args.ids if i not in known]
@@ -96,7 +100,18 @@ def main(argv=None) -> int:
         for m in chosen:
             print(f"{m.id:28} {m.file:40} {m.why}\n{'':28} tests: {' '.join(m.tests)}")
         return 0
-    results, t_all = [], time.monotonic()
+    t_all = time.monotonic()
+    if not args.no_baseline:   # a test that fails without any mutant would "kill" every mutant naming it
+        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        base = Mutant("baseline", chosen[0].file, "", "", tests, "no mutant")
+        verdict, secs, tail = run_one(base, args.timeout * 2, args.python, mutate=False)
+        print(f"[baseline] {'passed' if verdict == 'survived' else 'FAILED'} {secs:7.1f} s  "
+              f"{len(tests)} test selections on the unmutated package", flush=True)
+        if verdict != "survived":
+            print("    " + tail.replace("\n", "\n    ")[:400])
+            print("the tests fail without any mutant: fix them first (or --no-baseline)")
+            return 1
+    results = []
     for k, m in enumerate(chosen, 1):
         verdict, secs, tail = run_one(m, args.timeout, args.python)
         results.append((m, verdict, secs))
