@@ -88,12 +88,13 @@ def train(path, zero_overrides):
 
 def reference(n, warmup):
     """Plain torch: AdamW with the defaults "auto" stands for (lr 1e-3, weight decay 0), no clipping;
-    with ``warmup``, DeepSpeed's WarmupLR at its defaults (log warm-up from 0 to 1e-3 over 1000 steps)."""
+    with ``warmup``, DeepSpeed's WarmupLR at its defaults (log warm-up from 0 to 1e-3 over 1000 steps),
+    step for step as DeepSpeed's engine applies it (tests/test_engine_api.py checks that against DeepSpeed)."""
     model = MLP(depth=3, seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     for step in range(STEPS):
-        if warmup:
-            opt.param_groups[0]["lr"] = 1e-3 * math.log(step + 1) / math.log(1000)
+        if warmup:   # DeepSpeed's engine: step k + 1 runs at the scheduler's iteration k - 1 (-1: the minimum)
+            opt.param_groups[0]["lr"] = 1e-3 * math.log(step) / math.log(1000) if step >= 1 else 0.0
         x, y = synthetic_batch(model, n * MBS, seed=7, step=step)
         opt.zero_grad()
         loss_fn(model(x), y).backward()

@@ -209,13 +209,27 @@ def test_overlap_comm_issues_buckets_during_backward(stage):
     assert all(off.index(("reduce-done", i)) < off.index(("reduce-issued", i + 1)) for i in range(nb - 1))  # blocking
 
 
-def test_two_backwards_at_the_boundary_are_refused():
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_two_backwards_before_one_step_sum_like_torch(stage):
+    """Two losses, two engine.backward() calls, one step (accumulate.py): as loss1.backward();
+    loss2.backward(); opt.step() in torch (one rank here; 2 ranks in tests/test_hf_models.py)."""
+    ref = MLP(seed=0)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
     model = MLP(seed=0)
-    engine = zl.initialize(model, {**ADAM, "zero_optimization": {"stage": 1}})
-    x, y = synthetic_batch(model, 4)
-    engine.backward(loss_fn(engine(x), y))
-    with pytest.raises(RuntimeError, match="step\\(\\) after every"):
-        engine.backward(loss_fn(engine(x), y))
+    engine = zl.initialize(model, {**ADAM, "zero_optimization": {"stage": stage}})
+    for step in range(2):
+        x1, y1 = synthetic_batch(model, 4, step=2 * step)
+        x2, y2 = synthetic_batch(model, 4, step=2 * step + 1)
+        engine.backward(loss_fn(engine(x1), y1))
+        engine.backward(loss_fn(engine(x2), y2))
+        engine.step()
+        opt.zero_grad()
+        loss_fn(ref(x1), y1).backward()
+        loss_fn(ref(x2), y2).backward()
+        opt.step()
+    got = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, atol=1e-6, rtol=0), k
 
 
 def test_loss_backward_outside_the_engine_is_refused():

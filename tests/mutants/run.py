@@ -53,6 +53,12 @@ def run_one(m: Mutant, timeout: float, python: str, mutate: bool = True) -> tupl
     with tempfile.TemporaryDirectory(prefix=f"zl-mutant-{m.id}-") as tmp:
         tmp = Path(tmp)
         shutil.copytree(ROOT / "zerolab", tmp / "zerolab", ignore=shutil.ignore_patterns("__pycache__"))
+        # the tests run from the copy too: pytest puts the rootdir's conftest.py directory first on sys.path,
+        # which must be the copy's, or the working tree's zerolab is what the tests import
+        shutil.copytree(ROOT / "tests", tmp / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+        for name in ("conftest.py", "pyproject.toml"):
+            if (ROOT / name).exists():
+                shutil.copy(ROOT / name, tmp / name)
         if mutate and not apply(m, tmp):
             return "missing", time.monotonic() - t0, f"snippet not found exactly once in {m.file}"
         env = dict(os.environ, PYTHONPATH=str(tmp), PYTHONDONTWRITEBYTECODE="1")
@@ -61,8 +67,8 @@ def run_one(m: Mutant, timeout: float, python: str, mutate: bool = True) -> tupl
                                capture_output=True, text=True)
         if not probe.stdout.strip().startswith(str(tmp)):
             raise RuntimeError(f"the mutated copy is not what gets imported: {probe.stdout}{probe.stderr}")
-        cmd = [python, "-m", "pytest", *[str(ROOT / t) for t in m.tests], "-x", "-q", "-p", "no:cacheprovider",
-               f"--rootdir={ROOT}", "-c", str(ROOT / "pyproject.toml"), f"--timeout={int(timeout)}"]
+        cmd = [python, "-m", "pytest", *[str(tmp / t) for t in m.tests], "-x", "-q", "-p", "no:cacheprovider",
+               f"--rootdir={tmp}", "-c", str(tmp / "pyproject.toml"), f"--timeout={int(timeout)}"]
         proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:
@@ -76,7 +82,7 @@ def run_one(m: Mutant, timeout: float, python: str, mutate: bool = True) -> tupl
             verdict = "killed"
             out += "\n(timed out: counted as killed)"
     lines = out.strip().splitlines()
-    failed = [ln.replace(f"{os.path.relpath(ROOT, tmp)}/", "") for ln in lines
+    failed = [ln.replace(f"{tmp}/", "") for ln in lines
               if ln.startswith(("FAILED", "ERROR"))]   # what caught it
     tail = "\n".join((failed or lines[-3:])[:2])
     return verdict, time.monotonic() - t0, tail
