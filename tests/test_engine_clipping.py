@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
+from engine_util import train_rank_slices
 from zerolab.book.models import MLP, loss_fn, synthetic_batch
 
 STEPS, MBS, GAS, N = 3, 4, 2, 2   # MBS rows per rank per micro-batch
@@ -36,13 +37,7 @@ def train(cases):
     for stage, clip in cases:
         model = MLP(depth=3, seed=4)
         engine = zl.initialize(model, config(stage, clip))
-        for step in range(STEPS):
-            x, y = synthetic_batch(model, n * GAS * MBS, seed=11, step=step)
-            for k in range(GAS):
-                lo = (k * n + rank) * MBS
-                engine.backward(loss_fn(engine(x[lo: lo + MBS]), y[lo: lo + MBS]))
-                engine.step()
-        out.append(engine.full_state_dict())
+        out.append(train_rank_slices(engine, model, STEPS, GAS, MBS, seed=11))
     return out
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab as zl
+from engine_util import train_rank_slices
 from zerolab.book.models import MLP, loss_fn, synthetic_batch
 
 STEPS, MBS, GAS, N = 3, 4, 2, 2   # MBS rows per rank per micro-batch
@@ -33,13 +34,7 @@ def train(cases):
             zero["offload_optimizer"] = {"device": offload}
         engine = zl.initialize(model, {"optimizer": {"type": "SGD", "params": OPTIONS[which]},
                                        "gradient_accumulation_steps": GAS, "zero_optimization": zero})
-        for step in range(STEPS):
-            x, y = synthetic_batch(model, n * GAS * MBS, seed=13, step=step)
-            for k in range(GAS):
-                lo = (k * n + rank) * MBS
-                engine.backward(loss_fn(engine(x[lo: lo + MBS]), y[lo: lo + MBS]))
-                engine.step()
-        out.append(engine.full_state_dict())
+        out.append(train_rank_slices(engine, model, STEPS, GAS, MBS, seed=13))
     return out
 
 

@@ -48,18 +48,22 @@ def family_worker(family, stages, seed=0, adamw=None, zero=None):
             net = zl.initialize(model, engine_config(stage, adamw, family, **(zero or {})))
         for step in range(STEPS):
             kw, y = batch(family, step, rank, n)
-            loss = loss_of(net(**kw), y)
-            if stage == "ddp":
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-            else:
-                net.backward(loss)
-                net.step()
+            one_step(stage, net, opt, loss_of(net(**kw), y))
         sd = {k: v.detach().clone() for k, v in model.state_dict().items()} if stage == "ddp" \
             else net.full_state_dict()
         out[stage] = sd if rank == 0 else None
     return out, usage
+
+
+def one_step(stage, net, opt, loss) -> None:
+    """One optimizer step: torch DDP and its optimizer, or the engine's backward and step."""
+    if stage == "ddp":
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    else:
+        net.backward(loss)
+        net.step()
 
 
 def check_family(family, stages, seed=0, adamw=None, zero=None, timeout=300, collective_timeout=None):
@@ -160,7 +164,7 @@ TOY_STEPS = 4
 def toy_worker(cases, uses, ddp=False):
     """Train TwoLinear with each (stage, zero options) in ``cases``; ``uses(step, rank)``: b runs."""
     rank = dist.get_rank()
-    out = []
+    out, opt = [], None
     for stage, zero in ([("ddp", {})] if ddp else []) + list(cases):
         model = TwoLinear()
         if stage == "ddp":
@@ -172,14 +176,7 @@ def toy_worker(cases, uses, ddp=False):
                                                               "stage3_param_persistence_threshold": 0, **zero}})
         for step in range(TOY_STEPS):
             x, y = toy_batch(step, rank)
-            loss = torch.nn.functional.mse_loss(net(x, uses(step, rank)), y)
-            if stage == "ddp":
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-            else:
-                net.backward(loss)
-                net.step()
+            one_step(stage, net, opt, torch.nn.functional.mse_loss(net(x, uses(step, rank)), y))
         out.append({k: v.detach().clone() for k, v in model.state_dict().items()} if stage == "ddp"
                    else net.full_state_dict())
     return out
