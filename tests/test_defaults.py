@@ -42,7 +42,7 @@ def test_adamw_weight_decay_is_deepspeeds():
 
 
 def test_chapter_10_prints_the_generated_table():
-    nb = json.loads((ROOT / "chapters" / "10_in_practice.ipynb").read_text(encoding="utf-8"))
+    nb = json.loads((ROOT / "chapters" / "11_in_practice.ipynb").read_text(encoding="utf-8"))
     code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     assert any("defaults_markdown()" in src for src in code)
     assert "| `gradient_clipping` | 0.0 | 1.0 | differs" in defaults_markdown()

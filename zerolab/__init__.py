@@ -39,9 +39,9 @@ _EXPORTS = {
     "CommLedger": "zerolab.runtime.comm",
     "census": "zerolab.runtime.measure",
     "MemoryReport": "zerolab.runtime.measure",
-    "mesh": "zerolab.runtime.mesh",                       # 3D: dp x tp x pp (chapter 11)
+    "mesh": "zerolab.runtime.mesh",                       # 3D: dp x tp x pp (chapter 10)
     "Mesh": "zerolab.runtime.mesh",
-    # tensor parallelism (chapter 11)
+    # tensor parallelism (chapter 10)
     "tensor_parallel": "zerolab.parallel",
     "vocab_parallel_cross_entropy": "zerolab.parallel",
     # engines (chapters 3-9)

@@ -60,7 +60,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T = x.shape[:2]
-        # the head size from q's width: under tensor parallelism q, k, v hold n_head/tp heads (chapter 11)
+        # the head size from q's width: under tensor parallelism q, k, v hold n_head/tp heads (chapter 10)
         heads = lambda t: t.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))

@@ -1,4 +1,4 @@
-"""The ``zero_optimization`` section and its two offload sections (chapters 4-7, 10).
+"""The ``zero_optimization`` section and its two offload sections (chapters 4-7, 11).
 
 Key table, defaults (the dataclasses) and reader side by side. The rules that
 tie keys together are checked here, once: offloading the optimizer needs a

@@ -44,7 +44,7 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None, me
     optimizer params are the defaults). Raises ``ConfigError`` / ``ValueError`` for
     what the engine cannot do, before touching the model; if building the engine
     fails later (a bad ``nvme_path``), the model is put back as it was. ``mesh``: a
-    ``zl.mesh`` (3D, chapter 11): the engine shards over its DP group only.
+    ``zl.mesh`` (3D, chapter 10): the engine shards over its DP group only.
     """
     cfg = Config.from_any(config)
     if link is not None:  # a simulated link (zerolab.theory.network) for this engine only
@@ -69,7 +69,7 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None, me
     except BaseException:   # e.g. a bad nvme_path: put the model back as it was, so a retry works
         saved.restore()
         raise
-    engine.mesh = mesh   # None, or the zl.mesh whose DP group the engine shards over (3D, chapter 11)
+    engine.mesh = mesh   # None, or the zl.mesh whose DP group the engine shards over (3D, chapter 10)
     for p in model.parameters():
         p._zerolab_engine = True
     return engine

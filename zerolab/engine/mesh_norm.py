@@ -1,4 +1,4 @@
-"""What a 3D mesh adds to the step: the gradient norm and the fp16 overflow over TP and PP too (chapter 11).
+"""What a 3D mesh adds to the step: the gradient norm and the fp16 overflow over TP and PP too (chapter 10).
 
 Under ``zl.initialize(..., mesh=mesh)`` the engine reduces gradients over its
 DP group only; each DP rank's shards cover one model-parallel slice. Clipping

@@ -1,4 +1,4 @@
-"""Tensor-parallel layers (Megatron-LM's scheme), each built from the plain layer it replaces (chapter 11).
+"""Tensor-parallel layers (Megatron-LM's scheme), each built from the plain layer it replaces (chapter 10).
 
 * ``ColumnParallelLinear``: ``nn.Linear``'s weight split by output rows —
   TP rank r keeps rows ``r*out/tp .. (r+1)*out/tp`` and its bias slice. Input

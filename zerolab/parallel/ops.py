@@ -1,4 +1,4 @@
-"""The conjugate operators of tensor parallelism, and the vocabulary-parallel cross-entropy (chapter 11).
+"""The conjugate operators of tensor parallelism, and the vocabulary-parallel cross-entropy (chapter 10).
 
 Megatron-LM (Shoeybi et al. 2019, section 3) makes a transformer layer
 tensor-parallel with two operators that are each other's transpose:

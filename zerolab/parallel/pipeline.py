@@ -1,4 +1,4 @@
-"""Pipeline parallelism: a model's blocks split into stages, micro-batches sent point to point (chapter 11).
+"""Pipeline parallelism: a model's blocks split into stages, micro-batches sent point to point (chapter 10).
 
 ``pipeline_stage(model, mesh)`` keeps this rank's contiguous share of the
 blocks — of an ``nn.Sequential`` (or list) of blocks, or of a GPT-shaped model

@@ -1,4 +1,4 @@
-"""``zl.tensor_parallel(model, mesh, plan)``: convert a model's layers to tensor-parallel ones (chapter 11).
+"""``zl.tensor_parallel(model, mesh, plan)``: convert a model's layers to tensor-parallel ones (chapter 10).
 
 A *plan* maps ``fnmatch`` globs over dotted module names (``"*.fc"``,
 ``"blocks.*.attn.q"``), as torch's ``parallelize_module`` takes them, to a

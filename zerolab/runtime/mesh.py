@@ -1,4 +1,4 @@
-"""The 3-D mesh: data, tensor and pipeline parallelism laid out over the ranks (chapter 11).
+"""The 3-D mesh: data, tensor and pipeline parallelism laid out over the ranks (chapter 10).
 
 ``zl.mesh(dp=, tp=, pp=)``, called on every rank (of ``zl.launch`` or
 torchrun), numbers the ranks as one grid with TP innermost, then PP, then DP,

@@ -1,4 +1,4 @@
-"""The theory: pure arithmetic on Ψ, N and links, no torch (chapters 1, 2, 7, 10).
+"""The theory: pure arithmetic on Ψ, N and links, no torch (chapters 1, 2, 7, 11).
 
     from zerolab import theory
     theory.estimate(7.5e9, 64, stage=3).total     # bytes per GPU       (memory)

@@ -26,7 +26,7 @@ def check_psi_n(psi, n_gpus) -> tuple[int, int]:
 
 
 def mesh_share(psi, n_gpus, tp=1, pp=1, replicated=0) -> tuple[int, int]:
-    """3D (chapter 11): (the parameters one rank's model-parallel slice holds, the DP size).
+    """3D (chapter 10): (the parameters one rank's model-parallel slice holds, the DP size).
 
     TP and PP split the model ``tp * pp`` ways, except the ``replicated`` parameters every TP
     rank keeps whole (LayerNorms, row-parallel biases): ceil((Ψ - R) / (tp·pp)) + ceil(R / pp).

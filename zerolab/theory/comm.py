@@ -1,4 +1,4 @@
-"""What each ZeRO stage sends per optimizer step, and how long it takes (chapters 2, 10).
+"""What each ZeRO stage sends per optimizer step, and how long it takes (chapters 2, 11).
 
 Pure arithmetic on top of ``zerolab.theory.network`` (ring_bytes, Link): a step is a
 list of collectives (``CommOp``); bytes one rank sends = the sum of their ring

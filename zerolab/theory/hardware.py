@@ -1,4 +1,4 @@
-"""One hardware model for the whole book: GPUs, NICs, PCIe, NVMe, CPU Adam (chapters 7, 9, 10, 11).
+"""One hardware model for the whole book: GPUs, NICs, PCIe, NVMe, CPU Adam (chapters 7, 9, 11, 12).
 
 A ``Hardware`` preset is a node (``theory.nodes``: GPUs per node, NVLink, NICs) plus
 what the offload tiers and the compute need:
@@ -14,9 +14,9 @@ what the offload tiers and the compute need:
 * ``nvme_drives`` x ``nvme_drive``: the node's local NVMe drives and the bytes/s of one.
 
 ``GPUS`` holds single accelerators' datasheet peaks (A100, H100, H200, B200: bf16 FLOP/s,
-HBM bandwidth and size, NVLink, the NIC per GPU) for chapter 10's roofline.
+HBM bandwidth and size, NVLink, the NIC per GPU) for chapter 11's roofline.
 
-Chapters 7, 9, 10, 11 and ``choose_stage`` take these presets (``HARDWARE[name]``);
+Chapters 7, 9, 11, 12 and ``choose_stage`` take these presets (``HARDWARE[name]``);
 nothing else in the book states a bandwidth of its own. Every number is a line rate or a
 datasheet figure (cited beside it) or an *assumption* (achieved fractions, said so).
 """
@@ -136,7 +136,7 @@ def offload_step_seconds(psi, n_gpus, grad_accum=1, optimizer="none", params="no
 
 @dataclass(frozen=True)
 class GPU:
-    """One accelerator's peaks (datasheet figures, dense, per GPU): the roofline's inputs (chapter 10)."""
+    """One accelerator's peaks (datasheet figures, dense, per GPU): the roofline's inputs (chapter 11)."""
     name: str
     bf16: float          # dense bf16 tensor FLOP/s (no sparsity)
     hbm: float           # memory bandwidth, bytes/s

@@ -119,7 +119,7 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
     ``frozen``: parameters that do not train (a LoRA model's base), on top of the ``psi``
     trainable ones: 16-bit (or fp32) weights only, no gradient or optimizer state; whole on
     every rank at stages 0-2, partitioned (1/N each) at stage 3.
-    ``tp``, ``pp`` (3D, chapter 11): ``n_gpus`` counts every GPU; ZeRO shards each rank's
+    ``tp``, ``pp`` (3D, chapter 10): ``n_gpus`` counts every GPU; ZeRO shards each rank's
     model-parallel slice over n_gpus/(tp·pp) ranks (``checks.mesh_share``; ``replicated``: the
     parameters every TP rank keeps whole).
     """

@@ -1,4 +1,4 @@
-"""Nodes: GPUs per node, NICs per node and their speed, the fabric inside (chapters 2, 10, 11).
+"""Nodes: GPUs per node, NICs per node and their speed, the fabric inside (chapters 2, 11, 12).
 
 The one place that knows the cluster's topology. ``step_comm_time`` (``comm``),
 the Memory Explorer's time bars, the stage-choice procedure (``plan``) and the
