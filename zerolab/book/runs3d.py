@@ -1,0 +1,250 @@
+"""The runs of chapter 10 (ZeRO inside tensor and pipeline parallelism), kept out of the cells.
+
+* ``mesh_info()``: on every rank of a launch, ``zl.mesh``'s coordinates, groups and node (the
+  figure of the mesh is drawn from what the real runtime returns).
+* ``run_3d(dp, tp, pp, ...)``: TinyGPT "micro" (untied head) made tensor-parallel over TP, cut into
+  PP stages, ZeRO over DP, trained a few steps with ``zerolab.parallel.train_batch``; returns per rank
+  the memory ``engine.memory()`` reports at the last micro-batch (before the optimizer step), the
+  bytes its ledger booked per group, what ``tp_bytes`` / ``pp_bytes`` / ``comm_volume`` predict for
+  that rank, and the losses. With ``refuse=True`` it also asks for ZeRO-2 and ZeRO-3 on the same
+  mesh and returns the ``ConfigError`` texts.
+* ``bubble_run(p, m, kind)``: a pipeline of ``p`` stages whose blocks *sleep* ``tf`` in forward and
+  ``tb`` in backward (a sleep costs no CPU, so 4 ranks on 2 cores keep the timing of a real
+  pipeline): per rank the timeline of its forwards and backwards, its idle fraction, and the most
+  micro-batches it held in flight (counted by an identity at the stage's input: +1 in forward,
+  -1 when its backward has finished), with the activation bytes one micro-batch saves.
+* ``replay(orders, tf, tb)``: the step time of per-stage orders (lists of ("F"|"B", i)) with unit
+  costs and the pipeline's dependencies; ``None`` when the orders deadlock. Exercise 9 grades with it.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+BLOCK_ROWS, STEPS = 2, 2     # rows per DP rank and micro-batch; optimizer steps per run
+
+
+def mesh_info(dp, tp, pp, ranks_per_node):
+    import zerolab as zl
+    m = zl.mesh(dp=dp, tp=tp, pp=pp, ranks_per_node=ranks_per_node)
+    return {"rank": m.rank, "dp": m.dp_rank, "pp": m.pp_rank, "tp": m.tp_rank, "node": m.node,
+            "groups": {g: m.ranks(g) for g in ("dp", "pp", "tp")}, "repr": repr(m)}
+
+
+def gpt():
+    from zerolab.book.models import TinyGPT
+    return TinyGPT.preset("micro", key_bias=False, tie_weights=False, seed=1)
+
+
+def tp_bytes(rows, seq, width, tp, blocks, first, last, m, steps=STEPS):
+    """Bytes one rank's TP ledger books (ring: an all-reduce sends 2(tp-1)/tp of the tensor), per the
+    layers of its stage: forward g after the vocabulary-parallel embedding (first stage) and after each
+    block's attention projection and MLP output (2 per block); backward f before q, k, v and fc (4 per
+    block) and before the head (last stage); the loss: 3 all-reduces of rows*seq fp32 (last stage)."""
+    if tp == 1:
+        return 0
+    act, tok = rows * seq * width * 4, rows * seq * 4
+    per_mb = (first + 2 * blocks + 4 * blocks + last) * act + 3 * last * tok
+    return steps * m * per_mb * 2 * (tp - 1) // tp
+
+
+def pp_bytes(rows, seq, width, pp, stage, m, steps=STEPS):
+    """Bytes one rank sends to its PP neighbours: an activation forward (all but the last stage), its
+    gradient backward (all but the first), per micro-batch; the last stage broadcasts the loss (4 B)."""
+    if pp == 1:
+        return 0
+    act = rows * seq * width * 4
+    return steps * (m * act * ((stage < pp - 1) + (stage > 0)) + 4 * (stage == pp - 1))
+
+
+def _worker(dp, tp, pp, zero_stage, m, schedule, refuse):
+    import zerolab as zl
+    from zerolab.book.models import PRESETS, loss_fn, synthetic_batch
+    from zerolab.parallel import pipeline_stage, split_blocks, tensor_parallel, tp_dims, train_batch, \
+        vocab_parallel_cross_entropy
+    from zerolab.theory import comm_volume
+    mesh = zl.mesh(dp=dp, tp=tp, pp=pp)
+    full = gpt()
+    psi = sum(p.numel() for p in full.parameters())
+    model = tensor_parallel(full, mesh)
+    replicated = sum(p.numel() for n, p in model.named_parameters() if n not in tp_dims(model))
+    stage = pipeline_stage(model, mesh)
+    zero = {"stage": zero_stage}
+    if zero_stage == 3:
+        zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+    config = {"optimizer": {"type": "Adam", "params": {"lr": 3e-3}}, "gradient_accumulation_steps": m,
+              "zero_optimization": zero, "zerolab": {"collectives": "reduce_scatter"}}   # the ring pair, as on NCCL
+    engine = zl.initialize(stage, config, mesh=mesh)
+    seen = {}
+    step, calls = engine.step, [0]
+
+    def step_and_measure():   # train_batch calls engine.step() after every backward; the last one steps
+        calls[0] += 1
+        if calls[0] % m == 0 and "memory" not in seen:
+            seen["memory"] = engine.memory().as_dict()
+        step()
+    engine.step = step_and_measure
+    mesh.ledger.reset()
+    rows = BLOCK_ROWS
+    losses = []
+    for s in range(STEPS):
+        x, y = synthetic_batch(full, m * dp * rows, seed=7, step=s)
+        mine = [(x[(k * dp + mesh.dp_rank) * rows:(k * dp + mesh.dp_rank + 1) * rows],
+                 y[(k * dp + mesh.dp_rank) * rows:(k * dp + mesh.dp_rank + 1) * rows]) for k in range(m)]
+        losses.append(train_batch(engine, mesh, mine, lambda out, t: vocab_parallel_cross_entropy(out, t, mesh),
+                                  schedule))
+    cfg = PRESETS["micro"]
+    lo, hi = split_blocks(cfg["n_layer"], pp)[mesh.pp_rank]
+    first, last = mesh.pp_rank == 0, mesh.pp_rank == pp - 1
+    out = {"coords": (mesh.dp_rank, mesh.tp_rank, mesh.pp_rank), "psi": psi, "replicated": replicated,
+           "numel": engine.flat.numel, "padded": engine.flat.padded, "memory": seen["memory"], "losses": losses,
+           "bytes": {g: engine.comm.total_bytes(group=g) for g in ("dp", "tp", "pp")},
+           "predicted": {"tp": tp_bytes(rows, cfg["seq_len"], cfg["d_model"], tp, hi - lo, first, last, m),
+                         "pp": pp_bytes(rows, cfg["seq_len"], cfg["d_model"], pp, mesh.pp_rank, m),
+                         "dp": STEPS * comm_volume(engine.flat.padded, dp, zero_stage, dtype_bytes=4,
+                                                   grad_accum=m) if dp > 1 else 0},
+           "exact": zl.estimate(engine.flat.padded, dp, zero_stage, precision="fp32").as_dict(),
+           "estimate": zl.estimate(psi, dp * tp * pp, zero_stage, precision="fp32", tp=tp, pp=pp,
+                                   replicated=replicated).as_dict()}
+    if refuse:
+        out["refused"] = {}
+        for bad in (2, 3):
+            try:
+                zl.initialize(pipeline_stage(tensor_parallel(gpt(), mesh), mesh),
+                              {"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": bad}}, mesh=mesh)
+                out["refused"][bad] = None
+            except zl.ConfigError as e:
+                out["refused"][bad] = str(e)
+    return out
+
+
+def run_3d(dp, tp, pp, zero_stage=1, m=4, schedule="1f1b", refuse=False, ranks_per_node=None):
+    """Launch ``dp*tp*pp`` ranks (module docstring); returns the per-rank dicts in rank order."""
+    import zerolab as zl
+    return zl.launch(_worker, dp * tp * pp, args=(dp, tp, pp, zero_stage, m, schedule, refuse), timeout=600,
+                     threads=1, ranks_per_node=ranks_per_node)
+
+
+# ---------------------------------------------------------------- the bubble, with sleeping blocks
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tf, tb):
+        ctx.tb = tb
+        time.sleep(tf)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.tb)
+        return g, None, None
+
+
+class _Probe(torch.autograd.Function):
+    """Identity; forward logs ("F", start, end) around the stage, backward ends ("B", ..., end)."""
+
+    @staticmethod
+    def forward(ctx, x, log):
+        ctx.log = log
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.log["live"] -= 1
+        ctx.log["events"][-1] = ctx.log["events"][-1][:2] + (time.time(),)
+        return g, None
+
+
+class _OutProbe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, log):
+        ctx.log = log
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.log["events"].append(("B", time.time(), None))
+        return g, None
+
+
+class SleepyStage(nn.Module):
+    """``blocks`` linear blocks, each sleeping ``tf`` / ``tb`` seconds, with the probes of the module docstring."""
+
+    def __init__(self, blocks, width, tf, tb):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.tf, self.tb = tf / blocks, tb / blocks
+        self.log = {"events": [], "live": 0, "peak": 0, "saved": []}
+
+    def forward(self, x):
+        log = self.log
+        x = _Probe.apply(x.detach().requires_grad_() if not x.requires_grad else x, log)
+        log["live"] += 1
+        log["peak"] = max(log["peak"], log["live"])
+        start, saved = time.time(), [0]
+
+        def pack(t):
+            saved[0] += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for b in self.blocks:
+                x = _Sleep.apply(torch.tanh(b(x)), self.tf, self.tb)
+        log["saved"].append(saved[0])
+        log["events"].append(("F", start, time.time()))
+        return _OutProbe.apply(x, log)
+
+
+def _bubble_worker(p, m, kind, tf, tb, width, rows):
+    import zerolab as zl
+    from zerolab.parallel import train_batch
+    mesh = zl.mesh(pp=p)
+    stage = SleepyStage(1, width, tf, tb)
+    batches = [(torch.randn(rows, width), torch.randn(rows, width)) for _ in range(m)]
+    train_batch(stage, mesh, batches, lambda y, t: ((y - t) ** 2).mean(), kind)   # warm-up: connections, threads
+    stage.log.update(events=[], live=0, peak=0, saved=[])
+    train_batch(stage, mesh, batches, lambda y, t: ((y - t) ** 2).mean(), kind)
+    log = stage.log
+    return {"events": log["events"], "peak": log["peak"], "saved": max(log["saved"])}
+
+
+def bubble_run(p=4, m=8, kind="1f1b", tf=0.04, tb=0.08, width=256, rows=64):
+    """Per stage: its events (kind, start, end) in seconds from the step's start, busy and idle fraction of
+    the step (first forward anywhere to last backward anywhere), peak micro-batches in flight and the
+    bytes of saved activations one micro-batch holds."""
+    import zerolab as zl
+    res = zl.launch(_bubble_worker, p, args=(p, m, kind, tf, tb, width, rows), timeout=300, threads=1)
+    t0 = min(e[1] for r in res for e in r["events"])
+    t1 = max(e[2] for r in res for e in r["events"])
+    out = []
+    for r in res:
+        events = [(k, a - t0, b - t0) for k, a, b in r["events"]]
+        busy = sum(b - a for _, a, b in events)
+        out.append({"events": events, "busy": busy, "idle": 1 - busy / (t1 - t0), "peak": r["peak"],
+                    "saved": r["saved"], "step": t1 - t0})
+    return out
+
+
+def replay(orders, tf=1.0, tb=2.0):
+    """Step time of per-stage ``orders`` on a pipeline whose stage s runs its list in order, a forward
+    of micro-batch i on stage s waiting for stage s-1's, a backward for stage s+1's; ``None`` if stuck."""
+    p = len(orders)
+    done, pos, free = {}, [0] * p, [0.0] * p
+    progress = True
+    while progress:
+        progress = False
+        for s in range(p):
+            if pos[s] == len(orders[s]):
+                continue
+            op, i = orders[s][pos[s]]
+            dep = (op, s - 1, i) if op == "F" and s > 0 else ("B", s + 1, i) if op == "B" and s < p - 1 else None
+            if op == "B" and ("F", s, i) not in done:
+                return None                                  # a backward before its own forward
+            if dep is not None and dep not in done:
+                continue
+            start = max(free[s], done[dep] if dep else 0.0)
+            free[s] = done[(op, s, i)] = start + (tf if op == "F" else tb)
+            pos[s] += 1
+            progress = True
+    return max(free) if all(pos[s] == len(orders[s]) for s in range(p)) else None
