@@ -23,12 +23,17 @@ import time
 import torch
 from torch import nn
 
+from zerolab.config import ConfigError
+from zerolab.engine import initialize
+from zerolab.runtime.launch import launch
+from zerolab.runtime.mesh import mesh as make_mesh
+from zerolab.theory.memory import estimate
+
 BLOCK_ROWS, STEPS = 2, 2     # rows per DP rank and micro-batch; optimizer steps per run
 
 
 def mesh_info(dp, tp, pp, ranks_per_node):
-    import zerolab as zl
-    m = zl.mesh(dp=dp, tp=tp, pp=pp, ranks_per_node=ranks_per_node)
+    m = make_mesh(dp=dp, tp=tp, pp=pp, ranks_per_node=ranks_per_node)
     return {"rank": m.rank, "dp": m.dp_rank, "pp": m.pp_rank, "tp": m.tp_rank, "node": m.node,
             "groups": {g: m.ranks(g) for g in ("dp", "pp", "tp")}, "repr": repr(m)}
 
@@ -60,12 +65,11 @@ def pp_bytes(rows, seq, width, pp, stage, m, steps=STEPS):
 
 
 def _worker(dp, tp, pp, zero_stage, m, schedule, refuse):
-    import zerolab as zl
-    from zerolab.book.models import PRESETS, loss_fn, synthetic_batch
+    from zerolab.book.models import PRESETS, synthetic_batch
     from zerolab.parallel import pipeline_stage, split_blocks, tensor_parallel, tp_dims, train_batch, \
         vocab_parallel_cross_entropy
     from zerolab.theory import comm_volume
-    mesh = zl.mesh(dp=dp, tp=tp, pp=pp)
+    mesh = make_mesh(dp=dp, tp=tp, pp=pp)
     full = gpt()
     psi = sum(p.numel() for p in full.parameters())
     model = tensor_parallel(full, mesh)
@@ -76,7 +80,7 @@ def _worker(dp, tp, pp, zero_stage, m, schedule, refuse):
         zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     config = {"optimizer": {"type": "Adam", "params": {"lr": 3e-3}}, "gradient_accumulation_steps": m,
               "zero_optimization": zero, "zerolab": {"collectives": "reduce_scatter"}}   # the ring pair, as on NCCL
-    engine = zl.initialize(stage, config, mesh=mesh)
+    engine = initialize(stage, config, mesh=mesh)
     seen = {}
     step, calls = engine.step, [0]
 
@@ -105,25 +109,24 @@ def _worker(dp, tp, pp, zero_stage, m, schedule, refuse):
                          "pp": pp_bytes(rows, cfg["seq_len"], cfg["d_model"], pp, mesh.pp_rank, m),
                          "dp": STEPS * comm_volume(engine.flat.padded, dp, zero_stage, dtype_bytes=4,
                                                    grad_accum=m) if dp > 1 else 0},
-           "exact": zl.estimate(engine.flat.padded, dp, zero_stage, precision="fp32").as_dict(),
-           "estimate": zl.estimate(psi, dp * tp * pp, zero_stage, precision="fp32", tp=tp, pp=pp,
+           "exact": estimate(engine.flat.padded, dp, zero_stage, precision="fp32").as_dict(),
+           "estimate": estimate(psi, dp * tp * pp, zero_stage, precision="fp32", tp=tp, pp=pp,
                                    replicated=replicated).as_dict()}
     if refuse:
         out["refused"] = {}
         for bad in (2, 3):
             try:
-                zl.initialize(pipeline_stage(tensor_parallel(gpt(), mesh), mesh),
+                initialize(pipeline_stage(tensor_parallel(gpt(), mesh), mesh),
                               {"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": bad}}, mesh=mesh)
                 out["refused"][bad] = None
-            except zl.ConfigError as e:
+            except ConfigError as e:
                 out["refused"][bad] = str(e)
     return out
 
 
 def run_3d(dp, tp, pp, zero_stage=1, m=4, schedule="1f1b", refuse=False, ranks_per_node=None):
     """Launch ``dp*tp*pp`` ranks (module docstring); returns the per-rank dicts in rank order."""
-    import zerolab as zl
-    return zl.launch(_worker, dp * tp * pp, args=(dp, tp, pp, zero_stage, m, schedule, refuse), timeout=600,
+    return launch(_worker, dp * tp * pp, args=(dp, tp, pp, zero_stage, m, schedule, refuse), timeout=600,
                      threads=1, ranks_per_node=ranks_per_node)
 
 
@@ -197,9 +200,8 @@ class SleepyStage(nn.Module):
 
 
 def _bubble_worker(p, m, kind, tf, tb, width, rows):
-    import zerolab as zl
     from zerolab.parallel import train_batch
-    mesh = zl.mesh(pp=p)
+    mesh = make_mesh(pp=p)
     stage = SleepyStage(1, width, tf, tb)
     batches = [(torch.randn(rows, width), torch.randn(rows, width)) for _ in range(m)]
     train_batch(stage, mesh, batches, lambda y, t: ((y - t) ** 2).mean(), kind)   # warm-up: connections, threads
@@ -213,8 +215,7 @@ def bubble_run(p=4, m=8, kind="1f1b", tf=0.04, tb=0.08, width=256, rows=64):
     """Per stage: its events (kind, start, end) in seconds from the step's start, busy and idle fraction of
     the step (first forward anywhere to last backward anywhere), peak micro-batches in flight and the
     bytes of saved activations one micro-batch holds."""
-    import zerolab as zl
-    res = zl.launch(_bubble_worker, p, args=(p, m, kind, tf, tb, width, rows), timeout=300, threads=1)
+    res = launch(_bubble_worker, p, args=(p, m, kind, tf, tb, width, rows), timeout=300, threads=1)
     t0 = min(e[1] for r in res for e in r["events"])
     t1 = max(e[2] for r in res for e in r["events"])
     out = []
