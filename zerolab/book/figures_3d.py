@@ -31,7 +31,8 @@ def mesh_cells(infos: list, n_layer: int) -> list:
     for i in sorted(infos, key=lambda i: i["rank"]):
         lo, hi = bounds[i["pp"]]
         out.append((i["rank"], i["node"], [f"rank {i['rank']}",
-                                          f"PP stage {i['pp']}: layers {lo}-{hi - 1}",
+                                          f"PP stage {i['pp']}: " + (f"layers {lo}-{hi - 1}" if hi - lo > 1
+                                                                     else f"layer {lo}"),
                                           f"TP shard {i['tp']}/{tp}",
                                           f"ZeRO shard {i['dp']}/{dp}"]))
     return out
