@@ -207,6 +207,21 @@ WRONG = {
             mutate("08_reshard", "reshard_shard_space", ("old_s = -(-numel // old_n)", "old_s = -(-numel // new_n)")),
             {"a real engine's fp32 master, saved on 2 ranks, resharded to 1, 3 and 4"}),
     },
+    "09_3d": {
+        "one warm-up forward too many (p - s)": (
+            mutate("09_3d", "one_f_one_b", ("warm = p - s - 1", "warm = p - s")),
+            {"the example from the rules", "complete, causal, in order, at most p - s in flight"}),
+        "GPipe: every forward, then every backward": (
+            {"one_f_one_b": "def one_f_one_b(p, m, s):\n    return [(\"F\", i) for i in range(m)] + [(\"B\", i) for i in range(m)]\n"},
+            {"the example from the rules", "complete, causal, in order, at most p - s in flight"}),
+        "warm-up counted from the wrong end (s instead of p - s - 1)": (
+            mutate("09_3d", "one_f_one_b", ("warm = p - s - 1", "warm = s")),
+            {"the example from the rules", "no deadlock; the step is (m + p - 1)(tf + tb)",
+             "4 real ranks train with your orders: gradients equal one process's"}),
+        "forgets the cool-down backwards": (
+            mutate("09_3d", "one_f_one_b", ("return order + [(\"B\", i) for i in range(m - warm, m)]", "return order")),
+            {"complete, causal, in order, at most p - s in flight"}),
+    },
 }
 
 
