@@ -52,6 +52,7 @@ def test_lines_by_a_region_between_two_texts():
     # the end is searched from the start on ("self" occurs above __exit__ too): one line
     one = source(measure.PeakMeter, lines=("def __exit__", "self"))
     assert one.split("\n")[1].startswith("def __exit__(self") and one.count("\n") == 2
+    assert one.startswith(f"# zerolab/runtime/peak.py, line {start + last - 1}\n")   # one line: "line N"
     with pytest.raises(ValueError, match="'no such end' does not occur .* at or after line"):
         source(measure.PeakMeter, lines=("def __exit__", "no such end"))
     with pytest.raises(ValueError, match="does not occur"):

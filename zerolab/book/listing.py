@@ -62,7 +62,8 @@ def source(obj, lines=None) -> str:
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if path.startswith(package_root + os.sep):
         path = os.path.relpath(path, package_root)
-    return f"# {path}, lines {start + first - 1}-{start + last - 1}\n{body}\n"
+    where = f"line {start + first - 1}" if first == last else f"lines {start + first - 1}-{start + last - 1}"
+    return f"# {path}, {where}\n{body}\n"
 
 
 def show(obj, lines=None) -> None:
