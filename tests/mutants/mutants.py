@@ -312,4 +312,9 @@ MUTANTS = [
            '            if False:',
            ("tests/test_hf_models.py::test_switch_moe_stage3_expert_units_under_a_leaf_block_match",),
            "a module marked a leaf is split into units anyway, so an expert used on one rank hangs ZeRO-3"),
+    Mutant("resave-two-renames", "zerolab/engine/checkpoint/files.py",
+           "    elif _exchange(new, final):",
+           "    elif False:",
+           ("tests/test_checkpoint_failures.py::test_saving_a_tag_again_never_leaves_latest_naming_a_missing_folder",),
+           "re-saving a tag moves the old folder away before the new one is in: 'latest' names nothing meanwhile"),
 ]
