@@ -48,6 +48,7 @@ _EXPORTS = {
     "initialize": "zerolab.engine",
     "gathered_parameters": "zerolab.engine",
     "zero_init": "zerolab.engine.bigmodel.zero_init",     # partitioned construction (chapter 6)
+    "set_leaf_modules": "zerolab.engine.unit_order",   # ZeRO-3: a module gathered whole (chapter 6)
     "consolidate_fp32": "zerolab.engine.checkpoint.consolidate",     # checkpoints (chapter 8)
     "CheckpointError": "zerolab.engine.checkpoint.files",
     # book helpers
