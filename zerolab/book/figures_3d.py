@@ -16,7 +16,7 @@ from __future__ import annotations
 from matplotlib.patches import Rectangle
 
 from zerolab.book.plots import new_axes
-from zerolab.parallel.pipeline import split_blocks
+from zerolab.parallel import split_blocks
 
 STAGE_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
 

@@ -68,13 +68,16 @@ def _mse(y, t):
 
 
 def _orders_worker(orders):
-    import zerolab.parallel.pipeline as pl
+    import sys
+
+    from zerolab.parallel import pipeline_stage, train_batch
     from zerolab.runtime.mesh import mesh as make_mesh
     p = len(orders)
     mesh = make_mesh(pp=p)
-    pl.schedule = lambda kind, m, pp, s: orders[s]          # this rank runs the learner's order
-    stage = pl.pipeline_stage(_blocks(p), mesh)
-    pl.train_batch(stage, mesh, _batches(len(orders[0]) // 2), _mse, "1f1b")
+    # this rank (a process of its own) runs the learner's order: replace the schedule where train_batch finds it
+    sys.modules[train_batch.__module__].schedule = lambda kind, m, pp, s: orders[s]
+    stage = pipeline_stage(_blocks(p), mesh)
+    train_batch(stage, mesh, _batches(len(orders[0]) // 2), _mse, "1f1b")
     return {n: prm.grad.clone() for n, prm in stage.named_parameters()}
 
 
