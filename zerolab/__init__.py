@@ -19,6 +19,7 @@ _EXPORTS = {
     "estimate_config": "zerolab.config",
     "deepspeed_estimate": "zerolab.theory.ds_estimate",
     "comm_breakdown": "zerolab.theory.comm",
+    "by_axis": "zerolab.theory.comm",                     # 3D: bytes per mesh group (chapter 10)
     "step_comm_time": "zerolab.theory.comm",
     "zero_table1": "zerolab.theory.memory",
     "table1_text": "zerolab.theory.memory",
