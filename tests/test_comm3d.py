@@ -46,6 +46,7 @@ def _worker(cases):
                      y[i * ROWS + rows * mesh.dp_rank:i * ROWS + rows * (mesh.dp_rank + 1)]) for i in range(M)]
             train_batch(engine, mesh, mine, lf)
         out.append({"bytes": {g: engine.comm.total_bytes(group=g) for g in ("dp", "tp", "pp")},
+                    "inter": {g: engine.comm.total_bytes(group=g, scope="inter") for g in ("dp", "tp", "pp")},
                     "pp_rank": mesh.pp_rank, "replicated": replicated, "numel": engine.flat.numel,
                     "padded": engine.flat.padded})
         engine.close()
@@ -54,15 +55,16 @@ def _worker(cases):
 
 @pytest.fixture(scope="module")
 def results():
-    return zl.launch(_worker, 4, args=(MESHES,), timeout=300, threads=1)
+    # two simulated nodes of 2 ranks (ranks_per_node=2): which bytes cross is booked too
+    return zl.launch(_worker, 4, args=(MESHES,), timeout=300, threads=1, ranks_per_node=2)
 
 
-def formula(ci, replicated, pp_rank=None):
+def formula(ci, replicated, pp_rank=None, scope=None):
     (dp, tp, pp), stage_n = MESHES[ci]
     psi = sum(p.numel() for p in gpt().parameters())
-    ops = zl.comm_breakdown(psi, 4, stage_n, dtype_bytes=4, grad_accum=M, tp=tp, pp=pp, replicated=replicated,
-                            micro_batch=ROWS // dp, qkv_fused=False, pp_rank=pp_rank, **SHAPE)
-    return {k: STEPS * v for k, v in zl.by_axis(ops).items()}
+    ops = zl.comm_breakdown(psi, 4, stage_n, dtype_bytes=4, grad_accum=M, gpus_per_node=2, tp=tp, pp=pp,
+                            replicated=replicated, micro_batch=ROWS // dp, qkv_fused=False, pp_rank=pp_rank, **SHAPE)
+    return {k: STEPS * v for k, v in zl.by_axis(ops, scope).items()}
 
 
 @pytest.mark.parametrize("ci", range(len(MESHES)), ids=[f"dp{d}-tp{t}-pp{p}-zero{s}" for (d, t, p), s in MESHES])
@@ -73,6 +75,10 @@ def test_bytes_per_group_equal_the_formula(results, ci):
         want = formula(ci, r["replicated"], r["pp_rank"])
         assert (r["bytes"]["tp"], r["bytes"]["pp"]) == (want["tp"], want["pp"]), (r["pp_rank"], r["bytes"], want)
         assert (r["bytes"]["tp"] > 0) == (tp > 1) and (r["bytes"]["pp"] > 0) == (pp > 1)
+        # across the two nodes: TP never; PP when the stages sit on different nodes; DP when its ranks do
+        inter = formula(ci, r["replicated"], r["pp_rank"], "inter")
+        assert (r["inter"]["tp"], r["inter"]["pp"]) == (inter["tp"], inter["pp"]) == (0, r["bytes"]["pp"] * (tp == 2))
+        assert r["inter"]["dp"] == r["bytes"]["dp"] and (inter["dp"] > 0) == (dp > 1)
     # DP: the mean over the ranks against the formula over the mean slice; the engine pads each unit to dp
     # shards (the formula only Ψ), mesh_share rounds up per TP·PP slice
     measured = sum(r["bytes"]["dp"] for r in per_rank) / 4
@@ -81,6 +87,8 @@ def test_bytes_per_group_equal_the_formula(results, ci):
     per_elem = STEPS * 4 * (3 if stage_n == 3 else 2) * M ** (stage_n == 3) * (dp - 1) / dp   # bytes per element
     assert abs(measured - want) <= per_elem * (pad + tp * pp), (measured, want, pad)
     assert (measured > 0) == (dp > 1)
+    # tp*pp >= 2 ranks per node: every DP ring hop crosses, in the formula as on the ledger
+    assert formula(ci, per_rank[0]["replicated"], scope="inter")["dp"] == want
 
 
 def test_formula_by_hand():

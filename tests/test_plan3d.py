@@ -17,8 +17,9 @@ def seventy_b(**kw):
     """Llama-2-70B's shape (80 layers, hidden 8192, 64 heads) at 4096 tokens, 1 sequence per micro-batch,
     1024 sequences per step, on 8 DGX H100 nodes."""
     act = zl.activation_memory(80, 8192, 64, 4096, 1, checkpointing=True, flash_attention=True)
-    return zl.choose_stage(70e9, 64, 80 * GB, act, hardware="dgx-h100", grad_accum=16, layers=80, hidden=8192,
-                           seq=4096, micro_batch=1, **{**CHOICES, **kw})
+    kw = {"activations": act, **CHOICES, **kw}
+    return zl.choose_stage(70e9, 64, 80 * GB, hardware="dgx-h100", grad_accum=16, layers=80, hidden=8192,
+                           seq=4096, micro_batch=1, **kw)
 
 
 def test_seventy_b_on_64_gpus_proposes_the_best_mesh_by_the_rule():
@@ -29,6 +30,16 @@ def test_seventy_b_on_64_gpus_proposes_the_best_mesh_by_the_rule():
     assert all(c.dp * c.tp * c.pp == 64 and c.tp <= 8 for c in rows)
     assert all(c.stage <= 1 for c in rows if c.pp > 1)                # DeepSpeed: no ZeRO-2/3 with PP
     assert {(c.tp, c.pp) for c in rows} == {(t, q) for t in CHOICES["tp"] for q in CHOICES["pp"]}
+    # memory: the model states of the rank's slice, plus the activations split by tp (module docstring)
+    act = zl.activation_memory(80, 8192, 64, 4096, 1, checkpointing=True, flash_attention=True)
+    for c in rows:
+        est = zl.estimate(70e9, 64, c.stage, offload_optimizer=c.offload_optimizer, offload_param=c.offload_param,
+                          tp=c.tp, pp=c.pp)
+        assert c.device_bytes == est.total + act / c.tp and c.fits == (c.device_bytes <= 0.9 * 80 * GB)
+    own = seventy_b(activations=lambda tp, pp: 1000 * tp + pp)
+    assert {c.device_bytes - zl.estimate(70e9, 64, c.stage, tp=c.tp, pp=c.pp).total
+            for c in own.candidates if c.offload_optimizer == "none"} == {1000 * t + q for t in (1, 2, 4, 8)
+                                                                         for q in (1, 2, 4, 8)}
     # the rule by hand: no offload fits, so only that level; the least step, ties (1 %) to less tp*pp
     level = [c for c in rows if c.fits and c.offload_optimizer == "none"]
     best = min(c.step_seconds for c in level)

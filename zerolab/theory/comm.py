@@ -49,6 +49,11 @@ inter-node all-to-all only crosses. Per rank that is one NIC's traffic on a
 node with one NIC per GPU; K times it is what a node sends across, the
 ZeRO++ paper's accounting: ZeRO-3's 3M cross-node volume becomes
 0.5M + 0 + 0.25M = 0.75M with all three (plus the scales).
+
+3D (chapter 10): with ``tp``/``pp`` > 1 the DP ops above run over each rank's model-parallel slice
+among n/(tp·pp) ranks, beside the TP and PP ops of ``theory.comm3d``; each ``CommOp`` names its
+mesh group (``axis``) and ``by_axis`` sums the bytes per group, what the ledger books under
+``engine.comm.total_bytes(group=...)`` (tests/test_comm3d.py).
 """
 from __future__ import annotations
 
@@ -194,11 +199,15 @@ def _breakdown_3d(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node, ze
     return dp + [CommOp(**d) for d in mp]
 
 
-def by_axis(ops: list[CommOp]) -> dict:
-    """{"dp": bytes, "tp": bytes, "pp": bytes} one rank sends per step, by mesh group."""
+def by_axis(ops: list[CommOp], scope: str | None = None) -> dict:
+    """{"dp": bytes, "tp": bytes, "pp": bytes} one rank sends per step, by mesh group; ``scope="inter"``:
+    only the bytes that cross nodes, ``"intra"``: the rest (as ``engine.comm.total_bytes(group=, scope=)``)."""
+    if scope not in (None, "intra", "inter"):
+        raise ValueError(f"scope must be None, 'intra' or 'inter', got {scope!r}")
     out = {"dp": 0, "tp": 0, "pp": 0}
     for op in ops:
-        out[op.axis] += op.bytes
+        inter = op.inter_bytes
+        out[op.axis] += inter if scope == "inter" else op.bytes - inter if scope == "intra" else op.bytes
     return out
 
 

@@ -95,7 +95,7 @@ def tp_ops(tp, m, blocks, first, last, act, tokens, qkv_fused=True, sequence_par
     return out
 
 
-def pp_ops(pp, m, s, act, cross_fwd=False, cross_bwd=False) -> list:
+def pp_ops(pp, m, s, act, cross_fwd=False, cross_bwd=False, cross_loss=False) -> list:
     """The PP sends of stage ``s`` per optimizer step, as ``CommOp`` keyword dicts (module docstring)."""
     if pp == 1:
         return []
@@ -107,7 +107,8 @@ def pp_ops(pp, m, s, act, cross_fwd=False, cross_bwd=False) -> list:
         out.append(dict(op="send", what="activation-grads", group=2, nbytes=act, count=m, inter_node=cross_bwd,
                         inter_share=float(cross_bwd), axis="pp"))
     if s != pp - 2:
-        out.append(dict(op="broadcast", what="loss", group=pp, nbytes=4, count=1, inter_node=False, axis="pp"))
+        out.append(dict(op="broadcast", what="loss", group=pp, nbytes=4, count=1, inter_node=cross_loss,
+                        inter_share=float(cross_loss), axis="pp"))
     return out
 
 
@@ -125,7 +126,7 @@ def model_parallel_ops(tp, pp, m, layers, hidden, micro_batch, seq, act_bytes, p
         cross = lambda b: (tp * pp) % k == 0 and tp * pp > k and (b * tp) % k == 0   # noqa: E731
         return (tp_ops(tp, m, blocks[s], s == 0, s == pp - 1, act, tokens, qkv_fused, sequence_parallel,
                        inter=tp > k, inter_share=(tp // k) / tp if tp > k else 0.0)
-                + pp_ops(pp, m, s, act, cross(s + 1), cross(s)))
+                + pp_ops(pp, m, s, act, cross(s + 1), cross(s), cross(s + 1) if s < pp - 1 else tp * pp > k))
     if pp_rank is not None:
         return pp_rank, ops(pp_rank)
     sent = [sum(d["count"] * d["nbytes"] for d in ops(s)) for s in range(pp)]
