@@ -47,14 +47,14 @@ def test_seventy_b_on_64_gpus_proposes_the_best_mesh_by_the_rule():
     assert not [c for c in level if c.step_seconds <= best * 1.01 and c.tp * c.pp < 8]
     # ZeRO-3 without model parallelism fits too, but gathers 70B three times per micro-batch over the NICs
     z3 = next(c for c in level if (c.tp, c.pp, c.stage) == (1, 1, 3))
-    assert z3.times["dp"] > 10 and z3.step_seconds > p.choice.step_seconds
+    assert z3.axes["dp"] > 10 and z3.step_seconds > p.choice.step_seconds
     # one candidate by hand: TP=1, PP=8, DP=8: m = 1024/8 = 128 micro-batches; compute 6·Ψ/8 FLOPs per token
     # at 450 TFLOP/s; the bubble 7 of (m + 7) micro-batch slots; DP ZeRO-1 of the 2·Ψ/8-byte slice over 8
     # ranks, one ring per GPU of the node: 400 GB/s of NICs / 8
     c = next(c for c in level if (c.tp, c.pp, c.stage) == (1, 8, 1))
     compute = 6 * 70e9 / 8 * 128 * 4096 / 450e12
-    t = c.times
-    assert t["compute"] == pytest.approx(compute) and t["tp"] == 0
+    t = {**c.times, **c.axes}
+    assert t["compute"] == pytest.approx(compute) and t["tp"] == 0 and t["comm"] == t["tp"] + t["pp"] + t["dp"]
     assert t["bubble"] == pytest.approx(7 * (compute + t["pp"]) / 128)
     assert t["dp"] == pytest.approx(2 * (2 * 70e9 / 8) * 7 / 8 / 50e9, rel=1e-3)
     assert t["pp"] == pytest.approx(128 * 2 * (4096 * 8192 * 2 / 450e9 + 3e-6))   # PP inside a node: NVLink

@@ -142,7 +142,7 @@ def comm_breakdown(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_nod
     the one that sends the most). ``units`` and the ZeRO++ flags apply to the DP ops. Each op's
     ``bytes`` is what the engine's ledger books on that rank: ``engine.comm.total_bytes(group=axis)``.
     """
-    if (tp, pp) != (1, 1) or replicated:
+    if (tp, pp) != (1, 1):   # (replicated changes nothing without model parallelism)
         return _breakdown_3d(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node,
                              dict(quantized_weights=quantized_weights, quantized_gradients=quantized_gradients,
                                   hpz=hpz, units=units, weight_group=weight_group, gradient_group=gradient_group),

@@ -42,7 +42,8 @@ plus ``activations`` / tp (Megatron with sequence parallelism splits them by tp;
 keeps p micro-batches of L/p blocks, one micro-batch's worth of the whole model), or
 ``activations(tp, pp)`` when a function is given. Time: the whole step of ``theory.time3d`` — compute,
 TP's all-reduces on NVLink, PP's sends and bubble (p - 1)/(m + p - 1), the DP ZeRO traffic over the
-node's NICs, offload — since compute and the bubble differ between meshes. Ties (within ``TIE``) go
+node's NICs, offload — since compute and the bubble differ between meshes: ``times`` holds
+``{"compute", "bubble", "comm", "offload", "optimizer"}``, and ``candidate.axes`` the comm by group. Ties (within ``TIE``) go
 to the least model parallelism, then the lower stage. ``plan.dp``, ``plan.tp``, ``plan.pp`` hold the
 mesh (``dp = n_gpus`` for a plan without choices), ``plan.why`` the rule's answer in words.
 
@@ -83,6 +84,7 @@ class Candidate:
     dp: int = 0              # the mesh (3D): DP x TP x PP = n_gpus; today's plans: dp = n_gpus
     tp: int = 1
     pp: int = 1
+    axes: dict = field(default_factory=dict)    # a mesh's times["comm"] by group: {"tp", "pp", "dp"} seconds
 
     @property
     def step_seconds(self) -> float:
@@ -278,8 +280,10 @@ def _choose_mesh(psi, n, gpu_bytes, activations, node, link, grad_accum, margin,
                 times = mesh_step_times(psi, n, stage, t, p, m, micro_batch, seq, hidden, layers, hw, oo, op, dtype,
                                         replicated, compute_seconds, 8 if recompute else 6)
                 fits = est.total + act <= usable and (host_bytes is None or est.host <= host_bytes)
-                rows.append(Candidate(stage, oo, op, est.total + act, est.host, times["tp"] + times["pp"] + times["dp"],
-                                      fits, times, dp, t, p))
+                axes = {k: times.pop(k) for k in ("tp", "pp", "dp")}
+                times["comm"] = sum(axes.values())
+                rows.append(Candidate(stage, oo, op, est.total + act, est.host, times["comm"], fits, times, dp, t, p,
+                                      axes))
                 if fits:
                     fitting.append(rows[-1])
         if fitting and choice is None:
