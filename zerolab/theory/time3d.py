@@ -30,11 +30,13 @@ from zerolab.theory.network import Link
 from zerolab.theory.nodes import Node
 
 GB = 10**9
-PEAK_BF16 = 989e12   # H100 SXM dense bf16 (NVIDIA datasheet); the H800 has the same compute
+PEAK_BF16 = 989e12   # H100 SXM dense bf16 (theory.hardware's GPUS, cited there); the H800 has the same compute
 
-# HGX H800: an H100 with NVLink cut to 400 GB/s both ways = 200 GB/s per direction (NVIDIA H800 SXM
-# datasheet); one 400 Gb/s InfiniBand NIC per GPU (DeepSeek-V3 technical report, 2024, section 3.1:
-# 8 H800 per node on NVLink/NVSwitch, InfiniBand between nodes). PCIe, CPUs, NVMe as the DGX H100 preset.
+# HGX H800: the H100's silicon and low-precision compute with NVLink cut to 400 GB/s both ways = 200 GB/s per
+# direction ("NVIDIA H800 vs H100", https://www.philisun.com/technical-analysis/nvidia-h800-vs-h100-a-technical-deep-dive-into-politically-defined-ai-chips/).
+# One 400 Gb/s InfiniBand NIC per GPU: assumed, as the DGX H100 has, and as the 400G InfiniBand fabric of
+# DeepSeek's H800 cluster suggests ("DeepSeek-V3 New Paper is coming!", https://nemati.ai/blog/en-US/deepseek-v3-new-paper-is-coming-unveiling-the-secrets-of-low-cost-large-model-training-through-hardware-aware-co-design).
+# PCIe, CPUs, NVMe and the achieved FLOP/s (an assumption): the DGX H100 preset's.
 H800 = with_node(HARDWARE["dgx-h100"], Node("HGX H800", 8, 8, 400e9 / 8, Link("nvlink-h800", 200 * GB, 3e-6)))
 H800 = H800.with_(name="HGX H800")
 
@@ -92,8 +94,9 @@ def step_time_3d(psi=175e9, tp=8, pp=4, dp=8, micro_batches=64, micro_batch=1, s
     Defaults: the case chapter 10 quotes from its source articles — GPT-3 175B with TP=8, PP=4, DP=8
     (256 GPUs = 32 nodes of 8 H800), ZeRO-1 with the optimizer on NVMe, said to reach 182 TFLOPS per GPU.
     Cited: the shape of GPT-3 175B (96 layers, hidden 12288, sequence 2048: Brown et al. 2020, table 2.1);
-    the H800 node (``H800``: NVLink 200 GB/s per direction, one 400 Gb/s NIC per GPU) and the 989 TFLOP/s
-    dense bf16 peak (NVIDIA datasheets). Model parameters (not from the claim, which states none of them):
+    the H800's NVLink (200 GB/s per direction) and the 989 TFLOP/s dense bf16 peak (sources beside ``H800``
+    and in ``theory.hardware``). Model parameters (not from the claim, which states none of them):
+    one 400 Gb/s NIC per GPU,
     ``micro_batches`` per DP rank and step (the bubble's m), ``micro_batch`` sequences each, the achieved
     FLOP/s (the hardware preset's, an assumption: 450 TFLOP/s), ``recompute`` (8 instead of 6 FLOPs per
     parameter and token), PCIe, host memory and NVMe of the DGX H100 preset.
