@@ -1,7 +1,7 @@
 """``python -m zerolab bench --meshes`` (issue 24, item 7): ours under TP x DP and PP beside PyTorch's
 DTensor TP + FSDP2 and torch.distributed.pipelining. Correctness only, never speed or memory (the
 machine is shared): in one launch, ours and the peer take the same first-step loss as single-process
-training of the unsplit model, and land on its parameters after one Adam step; a one-round bench
+training of the unsplit model, and land on its parameters after one Adam step and one SGD step; a one-round bench
 smoke run writes the JSON and the table with both contenders per mesh."""
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from zerolab.book.models import loss_fn, synthetic_batch
 from zerolab.cli import main
 
 PRESET, BATCH, STEPS = "tiny", 8, 2
+SGD_LR = 0.5   # plain SGD: the parameters after a step show a wrong gradient scale, which Adam's would not
 
 
 def _worker(dims, kinds, micro):
     out = {}
     stage = 3 if dims[2] == 1 else 1   # ours: ZeRO-3 under TP, ZeRO-1 under PP (the peers ignore it)
-    runners = {k: p3.KINDS[k](PRESET, dims, stage, micro, BATCH) for k in kinds}
+    runners = {(k, sgd): p3.KINDS[k](PRESET, dims, stage, micro, BATCH, sgd) for sgd in (0.0, SGD_LR) for k in kinds}
     for kind, r in runners.items():
         losses, after_one = [], None
         for step in range(STEPS):
@@ -34,11 +35,11 @@ def _worker(dims, kinds, micro):
     return out
 
 
-def reference():
-    """Single process, the unsplit untied model, torch.optim.Adam: losses, the first step's
+def reference(sgd=0.0):
+    """Single process, the unsplit untied model, torch.optim.Adam (or SGD): losses, the first step's
     gradients and the parameters after one step."""
     model = p3.build_model(PRESET)
-    opt = torch.optim.Adam(model.parameters(), lr=p3.LR)
+    opt = p3.optimizer(model.parameters(), sgd)
     losses, grads, after_one = [], None, None
     for step in range(STEPS):
         opt.zero_grad()
@@ -55,8 +56,10 @@ def reference():
 
 
 def check_against_reference(results, kinds, dp):
-    want_losses, grads, want = reference()
     for kind in kinds:
+        check_sgd(results, kind, dp)
+    want_losses, grads, want = reference()
+    for kind in [(k, 0.0) for k in kinds]:
         # each rank's loss is its DP rank's mean over its rows: the global loss is the mean over DP ranks
         per_dp = [results[r][kind]["losses"] for r in range(0, len(results), len(results) // dp)]
         for step in range(STEPS):
@@ -71,12 +74,21 @@ def check_against_reference(results, kinds, dp):
             assert float((got[n] - want[n]).abs().max()) <= 1.01 * p3.LR, (kind, n)
 
 
+def check_sgd(results, kind, dp):
+    want_losses, _, want = reference(SGD_LR)
+    per_dp = [results[r][kind, SGD_LR]["losses"] for r in range(0, len(results), len(results) // dp)]
+    assert sum(loss[1] for loss in per_dp) / dp == pytest.approx(want_losses[1], rel=1e-5), kind
+    got = results[0][kind, SGD_LR]["params"]
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{kind} SGD {n}: {m}")
+
+
 @pytest.mark.timeout(120)
 def test_tp2_dp2_ours_and_dtensor_fsdp2_match_single_process():
     kinds = ["ours", "torch_tp"]
     results = zl.launch(_worker, 4, args=((2, 2, 1), kinds, 1), timeout=120, threads=1)
     check_against_reference(results, kinds, dp=2)
-    assert results[0]["ours"]["losses"] == pytest.approx(results[0]["torch_tp"]["losses"], rel=1e-6)
+    assert results[0]["ours", 0.0]["losses"] == pytest.approx(results[0]["torch_tp", 0.0]["losses"], rel=1e-6)
 
 
 @pytest.mark.timeout(120)
@@ -85,7 +97,7 @@ def test_pp2_ours_and_torch_pipelining_match_single_process():
     results = zl.launch(_worker, 2, args=((1, 1, 2), kinds, 4), timeout=120, threads=1)
     check_against_reference(results, kinds, dp=1)
     for r in results:   # every rank reports the last stage's loss
-        assert r["ours"]["losses"] == pytest.approx(r["torch_pp"]["losses"], rel=1e-6)
+        assert r["ours", 0.0]["losses"] == pytest.approx(r["torch_pp", 0.0]["losses"], rel=1e-6)
 
 
 @pytest.mark.timeout(180)

@@ -23,7 +23,7 @@ collective: the whole model, original names and shapes, on every rank).
   gives this rank's stage, ``Schedule1F1B`` runs the micro-batches (it scales
   the gradients by 1/micro: the mean loss, as ours).
 
-Adam (lr 1e-3, no weight decay), fp32, no clipping, for all of them.
+Adam (lr 1e-3, no weight decay), fp32, no clipping, for all of them (``sgd_lr``: plain SGD instead).
 """
 from __future__ import annotations
 
@@ -49,18 +49,26 @@ def build_model(preset: str) -> TinyGPT:
     return TinyGPT.preset(preset, key_bias=False, tie_weights=False, seed=0)
 
 
-def config(stage: int, micro: int, gas: int) -> dict:
+def config(stage: int, micro: int, gas: int, sgd_lr: float = 0.0) -> dict:
+    opt = {"type": "SGD", "params": {"lr": sgd_lr}} if sgd_lr else {"type": "Adam", "params": {"lr": LR,
+                                                                                              "weight_decay": 0.0}}
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
-            "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": stage}}
+            "optimizer": opt, "zero_optimization": {"stage": stage}}
+
+
+def optimizer(params, sgd_lr: float = 0.0):
+    """torch's side of ``config``: Adam (the bench), or plain SGD (tests: unlike Adam, it shows a wrong
+    gradient scale)."""
+    return torch.optim.SGD(params, lr=sgd_lr) if sgd_lr else torch.optim.Adam(params, lr=LR)
 
 
 class Runner3D:
     """One contender on one rank: its slice of the batch, its micro-batches."""
     kind = library = "?"
 
-    def __init__(self, preset, dims, stage, micro, batch):
+    def __init__(self, preset, dims, stage, micro, batch, sgd_lr=0.0):
         self.dp, self.tp, self.pp = dims
+        self.sgd_lr = sgd_lr
         if batch % (self.dp * micro):
             raise ValueError(f"a global batch of {batch} rows does not split into dp={self.dp} x {micro} micro-batches")
         self.rows = batch // (self.dp * micro)   # rows per micro-batch
@@ -87,8 +95,8 @@ class Runner3D:
 class Ours3D(Runner3D):
     kind, library = "ours", "zerolab"
 
-    def __init__(self, preset, dims, stage, micro, batch):
-        super().__init__(preset, dims, stage, micro, batch)
+    def __init__(self, preset, dims, stage, micro, batch, sgd_lr=0.0):
+        super().__init__(preset, dims, stage, micro, batch, sgd_lr)
         from zerolab.engine import initialize
         from zerolab.parallel import pipeline_stage, tensor_parallel, tp_dims, vocab_parallel_cross_entropy
         from zerolab.runtime.mesh import mesh
@@ -98,7 +106,7 @@ class Ours3D(Runner3D):
         if self.pp > 1:
             model = pipeline_stage(model, self.mesh)
         self.loss = (lambda out, y: vocab_parallel_cross_entropy(out, y, self.mesh)) if self.tp > 1 else loss_fn
-        self.engine = initialize(model, config(stage, 1, micro), mesh=self.mesh)
+        self.engine = initialize(model, config(stage, 1, micro, sgd_lr), mesh=self.mesh)
 
     def step(self, x, y):
         from zerolab.parallel import train_batch
@@ -137,8 +145,8 @@ def torch_tp_plan():
 class TorchTP(Runner3D):
     kind, library = "torch_tp", "torch"
 
-    def __init__(self, preset, dims, stage, micro, batch):
-        super().__init__(preset, dims, stage, micro, batch)
+    def __init__(self, preset, dims, stage, micro, batch, sgd_lr=0.0):
+        super().__init__(preset, dims, stage, micro, batch, sgd_lr)
         if self.pp != 1:
             raise ValueError("the torch TP peer runs dp x tp meshes (pp = 1)")
         from torch.distributed.device_mesh import init_device_mesh
@@ -155,7 +163,7 @@ class TorchTP(Runner3D):
             for block in self.model.blocks:
                 fully_shard(block, mesh=self.dm["dp"])
             fully_shard(self.model, mesh=self.dm["dp"])
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=LR)
+        self.opt = optimizer(self.model.parameters(), sgd_lr)
 
     def step(self, x, y):
         from torch.distributed.tensor.parallel import loss_parallel
@@ -183,8 +191,8 @@ class TorchTP(Runner3D):
 class TorchPP(Runner3D):
     kind, library = "torch_pp", "torch"
 
-    def __init__(self, preset, dims, stage, micro, batch, schedule="1f1b"):
-        super().__init__(preset, dims, stage, micro, batch)
+    def __init__(self, preset, dims, stage, micro, batch, sgd_lr=0.0, schedule="1f1b"):
+        super().__init__(preset, dims, stage, micro, batch, sgd_lr)
         if self.dp != 1 or self.tp != 1:
             raise ValueError("the torch pipelining peer runs 1 x 1 x pp meshes")
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
@@ -193,7 +201,7 @@ class TorchPP(Runner3D):
         self.module = self.pstage.submod
         cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
         self.schedule = cls(self.pstage, n_microbatches=micro, loss_fn=loss_fn)   # scale_grads: mean over micro
-        self.opt = torch.optim.Adam(self.module.parameters(), lr=LR)
+        self.opt = optimizer(self.module.parameters(), sgd_lr)
 
     def step(self, x, y):
         self.opt.zero_grad(set_to_none=True)
