@@ -92,10 +92,11 @@ def test_tp2_dp2_ours_and_dtensor_fsdp2_match_single_process():
 
 
 @pytest.mark.timeout(120)
-def test_pp2_ours_and_torch_pipelining_match_single_process():
+@pytest.mark.parametrize("dp", [1, pytest.param(2, marks=pytest.mark.slow)])   # dp 2: the peer under FSDP2
+def test_pp2_ours_and_torch_pipelining_match_single_process(dp):
     kinds = ["ours", "torch_pp"]
-    results = zl.launch(_worker, 2, args=((1, 1, 2), kinds, 4), timeout=120, threads=1)
-    check_against_reference(results, kinds, dp=1)
+    results = zl.launch(_worker, 2 * dp, args=((dp, 1, 2), kinds, 4 // dp), timeout=120, threads=1)
+    check_against_reference(results, kinds, dp=dp)
     for r in results:   # every rank reports the last stage's loss
         assert r["ours", 0.0]["losses"] == pytest.approx(r["torch_pp", 0.0]["losses"], rel=1e-6)
 
@@ -130,5 +131,6 @@ def test_mesh_arguments_and_contenders():
     assert main(["bench", "--meshes", "2x2x1", "--world-sizes", "4", "--out", ""]) == 2
     assert [k for k, _, _ in mesh3d.contenders((2, 2, 1))[0]] == ["ours", "torch_tp"]
     assert [k for k, _, _ in mesh3d.contenders((1, 1, 2))[0]] == ["ours", "torch_pp"]
-    cont, note = mesh3d.contenders((2, 1, 2))
-    assert [k for k, _, _ in cont] == ["ours"] and "1x1xPP only" in note
+    assert [(k, s) for k, s, _ in mesh3d.contenders((2, 1, 2))[0]] == [("ours", 1), ("torch_pp", 3)]
+    cont, note = mesh3d.contenders((1, 2, 2))
+    assert [k for k, _, _ in cont] == ["ours"] and "tp = 1 only" in note

@@ -4,9 +4,10 @@ One ``zl.launch`` per mesh (``dp x tp x pp`` ranks) runs ours and its torch peer
 (``peers3d``) in the same rank processes, on the same untied TinyGPT, the same
 global batches and steps. A mesh with tp > 1 and pp = 1 runs our ZeRO-3 under
 ``zl.tensor_parallel`` beside DTensor TP + FSDP2 (ZeRO-3 on the DP dimension);
-a mesh ``1 x 1 x pp`` runs our ZeRO-1 pipeline (1F1B) beside
-``torch.distributed.pipelining``'s ``Schedule1F1B``; any other mesh runs ours
-alone (a note says so). Timing as the DP bench (``runner.py``): interleaved
+a mesh ``dp x 1 x pp`` runs our ZeRO-1 pipeline (1F1B) beside
+``torch.distributed.pipelining``'s ``Schedule1F1B`` (with FSDP2 per stage when
+dp > 1: ZeRO-3, which ours refuses with PP); any other mesh runs ours alone (a
+note says so). Timing as the DP bench (``runner.py``): interleaved
 rounds, the order rotating, each step starting at a barrier, a step's time
 the slowest rank's, warm-up steps untimed; ours ÷ peer compares medians from
 the same run. Memory: per contender, in rank processes of its own, the peak
@@ -36,10 +37,11 @@ def contenders(dims) -> tuple[list, str | None]:
             return ours + [("torch_tp", 3, f"DTensor TP={tp} (parallelize_module) + FSDP2 DP={dp}")], None
         return ours, f"mesh {dp}x{tp}x{pp}: no tensor or pipeline parallelism, no 3D peer (the DP bench covers it)"
     ours = [("ours", 1, f"zerolab PP={pp} 1F1B" + (f" x TP={tp}" if tp > 1 else "") + f" x ZeRO-1 DP={dp}")]
-    if dp == tp == 1:
-        return ours + [("torch_pp", 0, f"torch.distributed.pipelining PP={pp} Schedule1F1B")], None
-    return ours, (f"mesh {dp}x{tp}x{pp}: the torch pipelining peer is built for 1x1xPP only "
-                  f"(pipelining with DP or TP would need FSDP/DTensor around each stage): ours alone")
+    if tp == 1:   # dp > 1: the peer shards with FSDP2 (ZeRO-3); ours runs at most ZeRO-1 with PP
+        fsdp = f" + FSDP2 DP={dp}" if dp > 1 else ""
+        return ours + [("torch_pp", 3 if dp > 1 else 0, f"torch.distributed.pipelining PP={pp} Schedule1F1B{fsdp}")], None
+    return ours, (f"mesh {dp}x{tp}x{pp}: the torch pipelining peer is built for tp = 1 only "
+                  f"(TP inside traced stages would need DTensor there): ours alone")
 
 
 def _batches(preset, batch, total):
@@ -108,6 +110,22 @@ def _memory_main(dims, kind, stage, preset, batch, micro, warmup):
     return dict(peak=pm.peak, held=max(0, held))
 
 
+def _probe_main(dims, preset, batch, micro):
+    warnings.filterwarnings("ignore")
+    return p3.probe_ddp(preset, dims, micro, batch, steps=3)
+
+
+def ddp_probe(dims, preset, batch, micro) -> str | None:
+    """dp x 1 x pp, dp > 1: does torch's pipelining run with DDP per stage? Its error text, or None."""
+    from zerolab.runtime.launch import launch
+    try:
+        errs = launch(_probe_main, world_size=dims[0] * dims[2], threads=1, timeout=120,
+                      args=(dims, preset, batch, micro))
+    except Exception as e:   # a rank hung or died: the launcher's first line
+        return f"the probe did not finish: {str(e).splitlines()[0]}"
+    return next((e for e in errs if e), None)
+
+
 def run_mesh(dims, preset, batch, micro, steps, repeats, warmup, memory, timeout) -> dict:
     """One mesh: launch dp*tp*pp ranks, run ours and its peer, summarise per contender."""
     from zerolab.runtime.launch import launch
@@ -133,6 +151,11 @@ def run_mesh(dims, preset, batch, micro, steps, repeats, warmup, memory, timeout
                          bytes_per_step=ranks[0].get("bytes_per_step")))
     world = dict(mesh="x".join(map(str, dims)), dp=dims[0], tp=dims[1], pp=dims[2], world_size=n,
                  micro_batches=micro, contenders=rows, note=note)
+    if dims[0] > 1 and dims[1] == 1 and dims[2] > 1:   # DDP per stage instead of FSDP2, at pp and at micro
+        world["ddp_probe"] = {m: ddp_probe(dims, preset, batch, m) for m in sorted({dims[2], micro})}
+        said = "; ".join(f"{m} micro-batches: " + (f"fails: {err}" if err else "runs")
+                         for m, err in world["ddp_probe"].items())
+        world["note"] = ((note + "; ") if note else "") + f"torch pipelining with DDP per stage (3 steps): {said}"
     ours = rows[0]
     world["ratios"] = [dict(peer=r["label"], peer_kind=r["kind"], ours_ms=ours["median_ms"], peer_ms=r["median_ms"],
                             ratio=ours["median_ms"] / r["median_ms"],

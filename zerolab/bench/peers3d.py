@@ -17,11 +17,14 @@ collective: the whole model, original names and shapes, on every rank).
   stay split, the loss under ``loss_parallel()``) on the ``tp`` dimension of a
   CPU ``DeviceMesh``, then FSDP2 ``fully_shard`` per block and at the root on
   its ``dp`` dimension (ZeRO-3: compare ours at stage 3).
-* ``TorchPP``: ``torch.distributed.pipelining`` end to end (pp > 1, dp = tp
-  = 1): ``pipeline()`` traces the model (torch.export) and cuts it at the same
-  blocks as ``pipeline_stage`` (``SplitPoint.BEGINNING``), ``build_stage``
-  gives this rank's stage, ``Schedule1F1B`` runs the micro-batches (it scales
-  the gradients by 1/micro: the mean loss, as ours).
+* ``TorchPP``: ``torch.distributed.pipelining`` (pp > 1, tp = 1):
+  ``pipeline()`` traces the model (torch.export) and cuts it at the same
+  blocks as ``pipeline_stage`` (``SplitPoint.BEGINNING``); this rank's stage
+  module (under FSDP2 ``fully_shard`` over the DP dimension of a CPU
+  ``DeviceMesh`` when dp > 1: ZeRO-3, where ours can only run ZeRO-0/1 with
+  PP; torch's DDP fails there, see the README) goes into a ``PipelineStage``, and
+  ``Schedule1F1B`` runs the micro-batches (it scales the gradients by
+  1/micro: the mean loss, as ours).
 
 Adam (lr 1e-3, no weight decay), fp32, no clipping, for all of them (``sgd_lr``: plain SGD instead).
 """
@@ -191,51 +194,76 @@ class TorchTP(Runner3D):
 class TorchPP(Runner3D):
     kind, library = "torch_pp", "torch"
 
-    def __init__(self, preset, dims, stage, micro, batch, sgd_lr=0.0, schedule="1f1b"):
+    def __init__(self, preset, dims, stage, micro, batch, sgd_lr=0.0, schedule="1f1b", dp_wrap="fsdp2"):
         super().__init__(preset, dims, stage, micro, batch, sgd_lr)
-        if self.dp != 1 or self.tp != 1:
-            raise ValueError("the torch pipelining peer runs 1 x 1 x pp meshes")
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-        self.rank = dist.get_rank()
-        self.pstage = trace_stage(self.model, self.pp, self.rank, self.rows)
-        self.module = self.pstage.submod
+        if self.tp != 1:
+            raise ValueError("the torch pipelining peer runs dp x 1 x pp meshes (tp = 1)")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        self.dm = init_device_mesh("cpu", (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
+        self.pp_rank, self.pp_group = self.dm["pp"].get_local_rank(), self.dm["pp"].get_group()
+        self.module = trace_stage(self.model, self.pp, self.pp_rank, self.rows)
+        submod = self.module
+        if self.dp > 1 and dp_wrap == "fsdp2":   # FSDP2 per stage: gradients reduced after the last micro-batch
+            from torch.distributed.fsdp import fully_shard
+            submod = fully_shard(self.module, mesh=self.dm["dp"])
+        elif self.dp > 1:   # "ddp": DistributedDataParallel per stage (probe_ddp)
+            from torch.nn.parallel import DistributedDataParallel
+            submod = DistributedDataParallel(self.module, process_group=self.dm["dp"].get_group())
+        self.pstage = PipelineStage(submod, self.pp_rank, self.pp, torch.device("cpu"), group=self.pp_group)
         cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
         self.schedule = cls(self.pstage, n_microbatches=micro, loss_fn=loss_fn)   # scale_grads: mean over micro
         self.opt = optimizer(self.module.parameters(), sgd_lr)
 
     def step(self, x, y):
+        x, y = self.local_batch(x, y)
         self.opt.zero_grad(set_to_none=True)
         losses = []
-        if self.rank == 0:
+        if self.pp_rank == 0:
             self.schedule.step(x)
-        elif self.rank == self.pp - 1:
+        elif self.pp_rank == self.pp - 1:
             self.schedule.step(target=y, losses=losses)
         else:
             self.schedule.step()
         self.opt.step()
         self.steps += 1
         loss = torch.tensor(float(torch.stack(losses).detach().mean()) if losses else 0.0)
-        dist.broadcast(loss, self.pp - 1)
+        dist.broadcast(loss, dist.get_global_rank(self.pp_group, self.pp - 1), group=self.pp_group)
         return float(loss)
 
     def full_params(self):
-        mine = {n: p.detach().float().clone() for n, p in self.module.named_parameters()}
+        mine = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+                for n, p in self.module.named_parameters()}   # a collective over DP under FSDP2
         parts = [None] * self.pp
-        dist.all_gather_object(parts, mine)
+        dist.all_gather_object(parts, mine, group=self.pp_group)
         full = {k: v for part in parts for k, v in part.items()}
         return {n: full[n] for n in self.names}
 
 
-def trace_stage(model, pp: int, rank: int, micro_rows: int):
-    """torch's tracing front end: ``pipeline()`` (torch.export) cut at the first block of each
-    stage but the first (contiguous shares, as ``split_blocks``), then this rank's ``build_stage``."""
+def probe_ddp(preset, dims, micro, batch, steps=2) -> str | None:
+    """On every rank of a dp x 1 x pp mesh: the pipelining peer with DDP per stage instead of FSDP2,
+    ``steps`` steps; None if they run, else the error (and its cause) as torch words it."""
+    try:
+        r = TorchPP(preset, dims, 0, micro, batch, dp_wrap="ddp")
+        from zerolab.book.models import synthetic_batch
+        for k in range(steps):
+            r.step(*synthetic_batch(preset, batch, seed=0, step=k))
+        return None
+    except Exception as e:   # recorded verbatim; the other ranks fail on their own, or time out waiting
+        cause = f" <- {type(e.__cause__).__name__}: {e.__cause__}" if e.__cause__ is not None else ""
+        return " ".join(f"{type(e).__name__}: {e}{cause}".split())
+
+
+def trace_stage(model, pp: int, pp_rank: int, micro_rows: int):
+    """torch's tracing front end: ``pipeline()`` (torch.export, for micro-batches of ``micro_rows``
+    rows) cut at the first block of each stage but the first (contiguous shares, as
+    ``split_blocks``); this rank's stage module."""
     from torch.distributed.pipelining import SplitPoint, pipeline
     from zerolab.book.models import synthetic_batch
     from zerolab.parallel import split_blocks
     x, _ = synthetic_batch(model, micro_rows, seed=0)
     cuts = {f"blocks.{lo}": SplitPoint.BEGINNING for lo, _ in split_blocks(len(model.blocks), pp)[1:]}
-    pipe = pipeline(model, mb_args=(x,), split_spec=cuts)
-    return pipe.build_stage(rank, torch.device("cpu"))
+    return pipeline(model, mb_args=(x,), split_spec=cuts).get_stage_module(pp_rank)
 
 
 KINDS = {"ours": Ours3D, "torch_tp": TorchTP, "torch_pp": TorchPP}
