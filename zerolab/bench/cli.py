@@ -45,13 +45,13 @@ def add_bench_args(p):
     p.add_argument("--meshes", nargs="+", default=None, metavar="DPxTPxPP",
                    help="3D instead of the DP bench: ours under TP / PP beside DTensor TP + FSDP2 and "
                         "torch.distributed.pipelining, one launch per mesh (e.g. 2x2x1 1x1x2 or 2x2x1,1x1x2; "
-                        "--3d = both); writes bench3d.json and bench3d.md")
-    p.add_argument("--3d", dest="three_d", action="store_true", help="the same as --meshes 2x2x1 1x1x2")
+                        "--3d = 2x2x1 1x1x2 2x1x2); writes bench3d.json and bench3d.md")
+    p.add_argument("--3d", dest="three_d", action="store_true", help="the same as --meshes 2x2x1 1x1x2 2x1x2")
 
 
 def cmd_bench(args) -> int:
-    meshes = [m for text in args.meshes or [] for m in text.split(",") if m] or (["2x2x1", "1x1x2"] if args.three_d
-                                                                               else None)
+    meshes = [m for text in args.meshes or [] for m in text.split(",") if m]
+    meshes = meshes or (["2x2x1", "1x1x2", "2x1x2"] if args.three_d else None)
     if meshes:
         return _cmd_meshes(args, meshes)
     for name, (plain, sweep) in DEFAULTS.items():

@@ -250,5 +250,6 @@ def markdown(result) -> str:
             pk = f"{q['peak_ratio']:.2f}" if q["peak_ratio"] else "-"
             lines.append(f"| {w['mesh']} | {ours['label']} | {peer['label']} | {q['ours_ms']:.1f} | "
                          f"{q['peer_ms']:.1f} | {q['ratio']:.2f} | {_mb(ours['peak_bytes'])} | "
-                         f"{_mb(peer['peak_bytes'])} | {pk} | {peer['max_abs_diff']:.0e} ({peer['n_far']} of {peer['n_params']}) |")
+                         f"{_mb(peer['peak_bytes'])} | {pk} | {peer['max_abs_diff']:.0e} "
+                         f"({peer['n_far']} of {peer['n_params']}) |")
     return "\n".join(lines) + "\n"
