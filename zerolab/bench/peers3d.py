@@ -22,7 +22,7 @@ collective: the whole model, original names and shapes, on every rank).
   blocks as ``pipeline_stage`` (``SplitPoint.BEGINNING``); this rank's stage
   module (under FSDP2 ``fully_shard`` over the DP dimension of a CPU
   ``DeviceMesh`` when dp > 1: ZeRO-3, where ours can only run ZeRO-0/1 with
-  PP; torch's DDP fails there, see the README) goes into a ``PipelineStage``, and
+  PP; ``probe_ddp`` tries DDP instead) goes into a ``PipelineStage``, and
   ``Schedule1F1B`` runs the micro-batches (it scales the gradients by
   1/micro: the mean loss, as ours).
 
