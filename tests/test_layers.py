@@ -26,7 +26,7 @@ ALLOWED = {
     "parallel": {"theory", "runtime"},
     "book": {"theory", "config", "runtime", "engine", "parallel"},   # chapter 10 draws and runs the 3-D code
     "grading": {"theory", "config", "runtime", "engine", "parallel", "book"},   # exercise 9 runs a pipeline
-    "bench": {"theory", "config", "runtime", "engine", "book"},
+    "bench": {"theory", "config", "runtime", "engine", "parallel", "book"},   # parallel: the 3D bench (mesh3d)
     "deepspeed": {"theory", "config", "runtime", "engine"},
     "top": {"theory", "config", "runtime", "engine", "parallel", "book", "grading", "bench", "deepspeed", "top"},
 }

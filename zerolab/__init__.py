@@ -19,6 +19,8 @@ _EXPORTS = {
     "estimate_config": "zerolab.config",
     "deepspeed_estimate": "zerolab.theory.ds_estimate",
     "comm_breakdown": "zerolab.theory.comm",
+    "by_axis": "zerolab.theory.comm",                     # 3D: bytes per mesh group (chapter 10)
+    "step_time_3d": "zerolab.theory.time3d",              # 3D: the time model's step and TFLOP/s (chapter 10)
     "step_comm_time": "zerolab.theory.comm",
     "zero_table1": "zerolab.theory.memory",
     "table1_text": "zerolab.theory.memory",
