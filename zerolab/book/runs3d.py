@@ -5,8 +5,9 @@
 * ``run_3d(dp, tp, pp, ...)``: TinyGPT "micro" (untied head) made tensor-parallel over TP, cut into
   PP stages, ZeRO over DP, trained a few steps with ``zerolab.parallel.train_batch``; returns per rank
   the memory ``engine.memory()`` reports at the last micro-batch (before the optimizer step), the
-  bytes its ledger booked per group, what ``tp_bytes`` / ``pp_bytes`` / ``comm_volume`` predict for
-  that rank, and the losses. With ``refuse=True`` it also asks for ZeRO-2 and ZeRO-3 on the same
+  bytes its ledger booked per group, what ``theory.comm_breakdown(..., tp=, pp=)`` predicts for that
+  rank per group (its DP term assumes equal stages; ``dp_slice``: ZeRO's formula on the slice the rank
+  really holds), and the losses. With ``refuse=True`` it also asks for ZeRO-2 and ZeRO-3 on the same
   mesh and returns the ``ConfigError`` texts.
 * ``bubble_run(p, m, kind)``: a pipeline of ``p`` stages whose blocks *sleep* ``tf`` in forward and
   ``tb`` in backward (a sleep costs no CPU, so 4 ranks on 2 cores keep the timing of a real
@@ -43,32 +44,11 @@ def gpt():
     return TinyGPT.preset("micro", key_bias=False, tie_weights=False, seed=1)
 
 
-def tp_bytes(rows, seq, width, tp, blocks, first, last, m, steps=STEPS):
-    """Bytes one rank's TP ledger books (ring: an all-reduce sends 2(tp-1)/tp of the tensor), per the
-    layers of its stage: forward g after the vocabulary-parallel embedding (first stage) and after each
-    block's attention projection and MLP output (2 per block); backward f before q, k, v and fc (4 per
-    block) and before the head (last stage); the loss: 3 all-reduces of rows*seq fp32 (last stage)."""
-    if tp == 1:
-        return 0
-    act, tok = rows * seq * width * 4, rows * seq * 4
-    per_mb = (first + 2 * blocks + 4 * blocks + last) * act + 3 * last * tok
-    return steps * m * per_mb * 2 * (tp - 1) // tp
-
-
-def pp_bytes(rows, seq, width, pp, stage, m, steps=STEPS):
-    """Bytes one rank sends to its PP neighbours: an activation forward (all but the last stage), its
-    gradient backward (all but the first), per micro-batch; the last stage broadcasts the loss (4 B)."""
-    if pp == 1:
-        return 0
-    act = rows * seq * width * 4
-    return steps * (m * act * ((stage < pp - 1) + (stage > 0)) + 4 * (stage == pp - 1))
-
-
 def _worker(dp, tp, pp, zero_stage, m, schedule, refuse):
     from zerolab.book.models import PRESETS, synthetic_batch
-    from zerolab.parallel import pipeline_stage, split_blocks, tensor_parallel, tp_dims, train_batch, \
+    from zerolab.parallel import pipeline_stage, tensor_parallel, tp_dims, train_batch, \
         vocab_parallel_cross_entropy
-    from zerolab.theory import comm_volume
+    from zerolab.theory.comm import by_axis, comm_breakdown, comm_volume
     mesh = make_mesh(dp=dp, tp=tp, pp=pp)
     full = gpt()
     psi = sum(p.numel() for p in full.parameters())
@@ -100,15 +80,14 @@ def _worker(dp, tp, pp, zero_stage, m, schedule, refuse):
         losses.append(train_batch(engine, mesh, mine, lambda out, t: vocab_parallel_cross_entropy(out, t, mesh),
                                   schedule))
     cfg = PRESETS["micro"]
-    lo, hi = split_blocks(cfg["n_layer"], pp)[mesh.pp_rank]
-    first, last = mesh.pp_rank == 0, mesh.pp_rank == pp - 1
     out = {"coords": (mesh.dp_rank, mesh.tp_rank, mesh.pp_rank), "psi": psi, "replicated": replicated,
            "numel": engine.flat.numel, "padded": engine.flat.padded, "memory": seen["memory"], "losses": losses,
            "bytes": {g: engine.comm.total_bytes(group=g) for g in ("dp", "tp", "pp")},
-           "predicted": {"tp": tp_bytes(rows, cfg["seq_len"], cfg["d_model"], tp, hi - lo, first, last, m),
-                         "pp": pp_bytes(rows, cfg["seq_len"], cfg["d_model"], pp, mesh.pp_rank, m),
-                         "dp": STEPS * comm_volume(engine.flat.padded, dp, zero_stage, dtype_bytes=4,
-                                                   grad_accum=m) if dp > 1 else 0},
+           "predicted": {k: STEPS * v for k, v in by_axis(comm_breakdown(
+               psi, dp * tp * pp, zero_stage, dtype_bytes=4, grad_accum=m, tp=tp, pp=pp, replicated=replicated,
+               layers=cfg["n_layer"], hidden=cfg["d_model"], micro_batch=rows, seq=cfg["seq_len"], qkv_fused=False,
+               pp_rank=mesh.pp_rank)).items()},
+           "dp_slice": STEPS * comm_volume(engine.flat.padded, dp, zero_stage, dtype_bytes=4, grad_accum=m) if dp > 1 else 0,
            "exact": estimate(engine.flat.padded, dp, zero_stage, precision="fp32").as_dict(),
            "estimate": estimate(psi, dp * tp * pp, zero_stage, precision="fp32", tp=tp, pp=pp,
                                    replicated=replicated).as_dict()}
