@@ -204,3 +204,11 @@ def test_errors_name_the_value():
         Config.from_deepspeed({"zerolab": {"pipeline_schedule": "interleaved"}})
     assert Config.from_deepspeed({}).pipeline_schedule == "1f1b"
     assert Config.from_deepspeed({"zerolab": {"pipeline_schedule": "GPipe"}}).pipeline_schedule == "gpipe"
+
+
+def test_embedding_layout_by_hand():
+    from zerolab.runtime.mesh import embedding_layout
+    # rank = (dp_rank * pp + pp_rank) * tp + tp_rank: first and last stage at the same (dp, tp)
+    assert embedding_layout(2, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert embedding_layout(1, 1, 4) == [[0, 3]]
+    assert embedding_layout(2, 1, 1) == []   # pp == 1: the first stage is the last

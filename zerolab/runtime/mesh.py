@@ -127,7 +127,8 @@ class Mesh:
                                  f"embedding group ('embed')")
             return name
         if name not in self.sizes:
-            raise ValueError(f"a mesh group is one of 'dp', 'tp', 'pp' (or 'embed'); got {name!r}")
+            raise ValueError(f"a mesh group is one of 'dp', 'tp', 'pp'; got {name!r} (or 'embed', the first and "
+                             f"last pipeline stages)")
         return name
 
     @property
