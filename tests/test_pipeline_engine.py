@@ -212,3 +212,56 @@ def test_embedding_layout_by_hand():
     assert embedding_layout(2, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert embedding_layout(1, 1, 4) == [[0, 3]]
     assert embedding_layout(2, 1, 1) == []   # pp == 1: the first stage is the last
+
+
+def _bf16_worker(tied):
+    mesh = zl.mesh(dp=2, pp=2)
+    model = gpt(tied)
+    engine = zl.initialize(model, {**config(1, clip=0.3), "bf16": {"enabled": True}}, mesh=mesh)
+    for step in range(STEPS):
+        mine = [(x[2 * mesh.dp_rank: 2 * mesh.dp_rank + 2], y[2 * mesh.dp_rank: 2 * mesh.dp_rank + 2])
+                for x, y in batches(model, step)]
+        engine.train_batch(mine, loss_fn)
+    from zerolab.parallel import gather_3d
+    return {"state": gather_3d(engine.full_state_dict(), {}, mesh), "dtype": str(engine.flat.flat.dtype)}
+
+
+def fp32_master_reference(tied, clip=0.3):
+    """One process: the bf16 model, fp32 master weights and torch's Adam on them, clipping on the master."""
+    model = gpt(tied).to(torch.bfloat16)
+    named = dict(model.named_parameters())
+    init = {n: p.detach().float().clone() for n, p in named.items()}
+    master = {n: p.detach().float().clone().requires_grad_() for n, p in named.items()}
+    opt = torch.optim.Adam(master.values(), **ADAM["params"])
+    for step in range(STEPS):
+        model.zero_grad()
+        (sum(loss_fn(model(x), y) for x, y in batches(model, step)) / M).backward()
+        for n, p in named.items():
+            master[n].grad = p.grad.float()
+        torch.nn.utils.clip_grad_norm_(master.values(), clip)
+        opt.step()
+        with torch.no_grad():
+            for n, p in named.items():
+                p.copy_(master[n])
+    return init, {n: m.detach() for n, m in master.items()}
+
+
+@pytest.mark.parametrize("tied", [True])
+def test_bf16_matches_fp32_master_reference(tied):
+    """bf16 with fp32 master weights, dp=2 x pp=2, ZeRO-1, the head tied: every tensor within a quarter of
+    how far the reference moved it, the whole model within 5% (the bound tests/test_engine_precision.py uses)."""
+    results = zl.launch(_bf16_worker, 4, args=(tied,), timeout=300, threads=1)
+    init, want = fp32_master_reference(tied)
+    aliases = {"head.weight": "wte.weight"} if tied else {}
+    sq_err = sq_moved = 0.0
+    for r in results:
+        assert r["dtype"] == "torch.bfloat16"
+        for name, w in want.items():
+            got = r["state"][name].float()
+            moved, err = (w - init[name]).norm().item(), (got - w).norm().item()
+            assert moved > 0 and err <= 0.25 * moved, f"{name}: {err:.3g} from the reference, moved {moved:.3g}"
+            sq_err, sq_moved = sq_err + err ** 2, sq_moved + moved ** 2
+        for a, b in aliases.items():
+            assert torch.equal(r["state"][a], r["state"][b])
+    print(f"bf16: the model is {sq_err ** 0.5 / sq_moved ** 0.5:.3f} of its movement from the fp32-master reference")
+    assert sq_err ** 0.5 <= 0.05 * sq_moved ** 0.5
