@@ -4,20 +4,30 @@
 blocks — of an ``nn.Sequential`` (or list) of blocks, or of a GPT-shaped model
 (``wte``, ``wpe``, ``blocks``, ``ln_f``, ``head``: the embeddings go to the first
 stage, the final LayerNorm and head to the last) — under their original names.
-``train_batch(stage, mesh, batches, loss_fn)`` runs one step's micro-batches
-through the pipeline: the first stage reads the inputs, the last computes the
-loss on the targets, activations go forward and their gradients backward
-between neighbouring stages of the PP group (one send per micro-batch and
-boundary, booked under ``group="pp"``). ``stage`` is the stage module (plain
+``zl.initialize(model, config, mesh=mesh)`` calls it when pp > 1: the user passes
+the whole model. A head tied to the embedding (``tie_weights=True``) is kept on
+both the first and the last stage, as Megatron-LM keeps it: ``sync_tied`` starts
+the last stage's copy from the first stage's, their gradients are summed over the
+embedding group (``mesh.communicator("embed")``) before the DP reduction, so both
+copies get the same update; the gradient norm counts it once (``engine/mesh_norm.py``).
+
+``train_batch(stage, mesh, batches, loss_fn, schedule_kind)`` (``pipeline_run.py``;
+``engine.train_batch(batches, loss_fn)`` delegates to it) runs one step's
+micro-batches through the pipeline: the first stage reads the inputs, the last
+computes the loss on the targets, activations go forward and their gradients
+backward between neighbouring stages of the PP group (one send per micro-batch
+and boundary, booked under ``group="pp"``). ``stage`` is the stage module (plain
 autograd: the gradients accumulate in ``.grad``, divided by the number of
 micro-batches) or a zerolab engine built over it with ``mesh=`` (ZeRO-0/1 over the
 DP group; ``engine.step()`` after every backward, so the optimizer steps after
-the last micro-batch).
+the last micro-batch). What the step measured — each F and B's start and end,
+the micro-batches in flight, the activation bytes kept, the bubble — is left in
+``.pipeline_stats`` (``pipeline_stats.py``; ``pipeline_bubble`` over all ranks).
 
-Schedules (lists of ("F" | "B", micro-batch) per stage): ``"gpipe"`` — every
-forward, then every backward (m micro-batches' activations in flight);
-``"1f1b"`` — p - s - 1 warm-up forwards on stage s, then one forward and one
-backward in turn, then the remaining backwards (at most p - s in flight).
+Schedules (``pipeline_schedule.py``; lists of ("F" | "B", micro-batch) per stage):
+``"gpipe"`` — every forward, then every backward (m micro-batches' activations in
+flight); ``"1f1b"`` — p - s - 1 warm-up forwards on stage s, then one forward and
+one backward in turn, then the remaining backwards (at most p - s in flight).
 The bubble is (p - 1)/(m + p - 1) of the step in both.
 """
 from __future__ import annotations
