@@ -154,7 +154,8 @@ def _pp1_worker():
                 engine.step()
                 total += loss.item()
             losses.append(total / M)
-        out[how] = {"state": engine.full_state_dict(), "losses": losses, "stats": getattr(engine, "pipeline_stats", None)}
+        out[how] = {"state": engine.full_state_dict(), "losses": losses,
+                    "stats": getattr(engine, "pipeline_stats", None)}
     return out
 
 

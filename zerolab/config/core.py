@@ -36,7 +36,8 @@ TOP_IGNORED = ("steps_per_print", "wall_clock_breakdown", "flops_profiler", "act
                "seq_parallel_communication_data_type", "disable_allgather", "train_batch_size_per_gpu",
                "gradient_accumulation_dtype", "eigenvalue", "progressive_layer_drop", "nebula", "sparse_attention",
                "quantize_training", "weight_quantization", "hybrid_engine", "timers", "torch_autocast")
-ZEROLAB_KEYS = ("debug", "link", "trace", "units", "collectives", "pipeline_schedule") + tuple(ZEROPP_KEYS)   # zerolab's own section
+ZEROLAB_KEYS = ("debug", "link", "trace", "units", "collectives",   # zerolab's own section
+                "pipeline_schedule") + tuple(ZEROPP_KEYS)
 # stages 1-2's collectives (engine/stage1.py): "reduce_scatter" = reduce-scatter the gradients, all-gather the
 # parameters (the ring algorithm's bytes, NCCL's fast pair); "all_reduce" = all-reduce the gradients, each rank
 # broadcasts its shard (gloo's fast pair); "per_backend" = all_reduce on gloo, reduce_scatter on any other backend
