@@ -68,8 +68,9 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None, me
             raise ValueError(f"{mesh}: the model to cut into pp={mesh.pp} stages must be an nn.Module or a list "
                              f"of blocks, got {type(model).__name__}")
         model = model if is_stage(model) else pipeline_stage(model, mesh)
-        sync_tied(model, mesh)
     _check_supported(model, cfg)
+    if mesh is not None and mesh.pp > 1:
+        sync_tied(model, mesh)   # a collective over the embedding group (nothing without a tied weight)
     check_zeropp(cfg.zero, cfg.precision, communicator.world_size, communicator.ranks_per_node)
     cls = ZeroPPEngine if cfg.zero.zeropp else ENGINES[cfg.zero.stage]
     if cfg.zero.offload_optimizer.device != "none" or cfg.zero.offload_param.device != "none":
