@@ -17,7 +17,8 @@ not complete (the last stage finishes first, and the first stage waits for it): 
 the last backward keeps its gradients local, the tied gradient is summed, then the
 engine's gradient buckets are reduced as that backward would have, and it steps.
 The loss returned is the mean over the micro-batches and the DP group, the same on
-every rank. ``stage.pipeline_stats`` (or ``engine.pipeline_stats``): what the step
+every rank (broadcast from the last stage, booked under "pp"; the DP mean, a
+bookkeeping all-reduce, in ``ledger.control``). ``stage.pipeline_stats`` (or ``engine.pipeline_stats``): what the step
 measured (``pipeline_stats.py``).
 """
 from __future__ import annotations
@@ -103,8 +104,7 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", dtyp
         mesh.communicator("pp").broadcast(loss, src=p - 1, tag="pipeline-loss")
     dp = engine.communicator if engine is not None else (mesh.communicator("dp") if mesh is not None else None)
     if dp is not None and dp.world_size > 1:   # the mean over the DP group too: the same on every rank
-        dp.all_reduce(loss, tag="pipeline-loss")
-        loss /= dp.world_size
+        dp.all_reduce(loss, op="avg", tag="pipeline-loss", control=True)   # bookkeeping: in ledger.control
     stage.pipeline_stats = rec.stats()
     return float(loss)
 
