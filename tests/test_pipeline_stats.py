@@ -3,8 +3,8 @@ flight and the activations kept, on a toy model whose every block sleeps a fixed
 backward (so the timeline is the schedule's, not noise): 2 stages, m = 4 micro-batches.
 
 The bubble measured over all ranks' traces is compared with (p - 1)/(m + p - 1) = 0.2 (both schedules;
-the measured one is larger by the point-to-point latency the formula leaves out: about 0.02 on an idle
-machine, up to 0.05 measured with 2 cores running 13 processes);
+the measured one is larger by the point-to-point latency the formula leaves out: per step 0.21-0.25
+with 1F1B and 0.21-0.29 with GPipe, measured on 2 cores with a load average of about 13);
 1F1B keeps at most p - s micro-batches' activations on stage s, GPipe m; the activation bytes kept at
 the peak (saved tensors, measured) scale the same way.
 """
