@@ -22,7 +22,7 @@ ALLOWED = {
     "theory": set(),
     "config": {"theory"},
     "runtime": {"theory"},
-    "engine": {"theory", "config", "runtime"},
+    "engine": {"theory", "config", "runtime", "parallel"},   # zl.initialize cuts pipeline stages
     "parallel": {"theory", "runtime"},
     "book": {"theory", "config", "runtime", "engine"},
     "grading": {"theory", "config", "runtime", "engine", "book"},
