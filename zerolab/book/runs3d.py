@@ -3,7 +3,7 @@
 * ``mesh_info()``: on every rank of a launch, ``zl.mesh``'s coordinates, groups and node (the
   figure of the mesh is drawn from what the real runtime returns).
 * ``run_3d(dp, tp, pp, ...)``: TinyGPT "micro" (untied head) made tensor-parallel over TP, cut into
-  PP stages, ZeRO over DP, trained a few steps with ``zerolab.parallel.train_batch``; returns per rank
+  PP stages, ZeRO over DP, cut and trained a few steps with ``engine.train_batch``; returns per rank
   the memory ``engine.memory()`` reports at the last micro-batch (before the optimizer step), the
   bytes its ledger booked per group, what ``theory.comm_breakdown(..., tp=, pp=)`` predicts for that
   rank per group (its DP term assumes equal stages; ``dp_slice``: ZeRO's formula on the slice the rank
@@ -11,9 +11,8 @@
   mesh and returns the ``ConfigError`` texts.
 * ``bubble_run(p, m, kind)``: a pipeline of ``p`` stages whose blocks *sleep* ``tf`` in forward and
   ``tb`` in backward (a sleep costs no CPU, so 4 ranks on 2 cores keep the timing of a real
-  pipeline): per rank the timeline of its forwards and backwards, its idle fraction, and the most
-  micro-batches it held in flight (counted by an identity at the stage's input: +1 in forward,
-  -1 when its backward has finished), with the activation bytes one micro-batch saves.
+  pipeline), run by ``zerolab.parallel.train_batch``, whose recorder (``pipeline_stats``) measures
+  each rank's forwards and backwards, the micro-batches in flight and the activation bytes kept.
 * ``replay(orders, tf, tb)``: the step time of per-stage orders (lists of ("F"|"B", i)) with unit
   costs and the pipeline's dependencies; ``None`` when the orders deadlock. Exercise 9 grades with it.
 """
@@ -46,21 +45,20 @@ def gpt():
 
 def _worker(dp, tp, pp, zero_stage, m, schedule, refuse):
     from zerolab.book.models import PRESETS, synthetic_batch
-    from zerolab.parallel import pipeline_stage, tensor_parallel, tp_dims, train_batch, \
-        vocab_parallel_cross_entropy
+    from zerolab.parallel import tensor_parallel, tp_dims, vocab_parallel_cross_entropy
     from zerolab.theory.comm import by_axis, comm_breakdown, comm_volume
     mesh = make_mesh(dp=dp, tp=tp, pp=pp)
     full = gpt()
     psi = sum(p.numel() for p in full.parameters())
     model = tensor_parallel(full, mesh)
     replicated = sum(p.numel() for n, p in model.named_parameters() if n not in tp_dims(model))
-    stage = pipeline_stage(model, mesh)
     zero = {"stage": zero_stage}
     if zero_stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     config = {"optimizer": {"type": "Adam", "params": {"lr": 3e-3}}, "gradient_accumulation_steps": m,
-              "zero_optimization": zero, "zerolab": {"collectives": "reduce_scatter"}}   # the ring pair, as on NCCL
-    engine = initialize(stage, config, mesh=mesh)
+              "zero_optimization": zero,
+              "zerolab": {"collectives": "reduce_scatter", "pipeline_schedule": schedule}}   # the ring pair, as on NCCL
+    engine = initialize(model, config, mesh=mesh)          # pp > 1: cut into this rank's stage first
     seen = {}
     step, calls = engine.step, [0]
 
@@ -77,8 +75,7 @@ def _worker(dp, tp, pp, zero_stage, m, schedule, refuse):
         x, y = synthetic_batch(full, m * dp * rows, seed=7, step=s)
         mine = [(x[(k * dp + mesh.dp_rank) * rows:(k * dp + mesh.dp_rank + 1) * rows],
                  y[(k * dp + mesh.dp_rank) * rows:(k * dp + mesh.dp_rank + 1) * rows]) for k in range(m)]
-        losses.append(train_batch(engine, mesh, mine, lambda out, t: vocab_parallel_cross_entropy(out, t, mesh),
-                                  schedule))
+        losses.append(engine.train_batch(mine, lambda out, t: vocab_parallel_cross_entropy(out, t, mesh)))
     cfg = PRESETS["micro"]
     out = {"coords": (mesh.dp_rank, mesh.tp_rank, mesh.pp_rank), "psi": psi, "replicated": replicated,
            "numel": engine.flat.numel, "padded": engine.flat.padded, "memory": seen["memory"], "losses": losses,
@@ -90,13 +87,13 @@ def _worker(dp, tp, pp, zero_stage, m, schedule, refuse):
            "dp_slice": STEPS * comm_volume(engine.flat.padded, dp, zero_stage, dtype_bytes=4, grad_accum=m) if dp > 1 else 0,
            "exact": estimate(engine.flat.padded, dp, zero_stage, precision="fp32").as_dict(),
            "estimate": estimate(psi, dp * tp * pp, zero_stage, precision="fp32", tp=tp, pp=pp,
-                                   replicated=replicated).as_dict()}
+                                replicated=replicated).as_dict()}
     if refuse:
         out["refused"] = {}
         for bad in (2, 3):
             try:
-                initialize(pipeline_stage(tensor_parallel(gpt(), mesh), mesh),
-                              {"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": bad}}, mesh=mesh)
+                initialize(tensor_parallel(gpt(), mesh), {"optimizer": {"type": "Adam"},
+                                                          "zero_optimization": {"stage": bad}}, mesh=mesh)
                 out["refused"][bad] = None
             except ConfigError as e:
                 out["refused"][bad] = str(e)
@@ -123,86 +120,44 @@ class _Sleep(torch.autograd.Function):
         return g, None, None
 
 
-class _Probe(torch.autograd.Function):
-    """Identity; forward logs ("F", start, end) around the stage, backward ends ("B", ..., end)."""
-
-    @staticmethod
-    def forward(ctx, x, log):
-        ctx.log = log
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.log["live"] -= 1
-        ctx.log["events"][-1] = ctx.log["events"][-1][:2] + (time.time(),)
-        return g, None
-
-
-class _OutProbe(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, log):
-        ctx.log = log
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.log["events"].append(("B", time.time(), None))
-        return g, None
-
-
 class SleepyStage(nn.Module):
-    """``blocks`` linear blocks, each sleeping ``tf`` / ``tb`` seconds, with the probes of the module docstring."""
+    """A linear block that sleeps ``tf`` seconds in forward and ``tb`` in backward."""
 
-    def __init__(self, blocks, width, tf, tb):
+    def __init__(self, width, tf, tb):
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
-        self.tf, self.tb = tf / blocks, tb / blocks
-        self.log = {"events": [], "live": 0, "peak": 0, "saved": []}
+        self.lin, self.tf, self.tb = nn.Linear(width, width), tf, tb
 
     def forward(self, x):
-        log = self.log
-        x = _Probe.apply(x.detach().requires_grad_() if not x.requires_grad else x, log)
-        log["live"] += 1
-        log["peak"] = max(log["peak"], log["live"])
-        start, saved = time.time(), [0]
-
-        def pack(t):
-            saved[0] += t.numel() * t.element_size()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            for b in self.blocks:
-                x = _Sleep.apply(torch.tanh(b(x)), self.tf, self.tb)
-        log["saved"].append(saved[0])
-        log["events"].append(("F", start, time.time()))
-        return _OutProbe.apply(x, log)
+        return _Sleep.apply(torch.tanh(self.lin(x)), self.tf, self.tb)
 
 
 def _bubble_worker(p, m, kind, tf, tb, width, rows):
     from zerolab.parallel import train_batch
     mesh = make_mesh(pp=p)
-    stage = SleepyStage(1, width, tf, tb)
+    stage = SleepyStage(width, tf, tb)
     batches = [(torch.randn(rows, width), torch.randn(rows, width)) for _ in range(m)]
     train_batch(stage, mesh, batches, lambda y, t: ((y - t) ** 2).mean(), kind)   # warm-up: connections, threads
-    stage.log.update(events=[], live=0, peak=0, saved=[])
     train_batch(stage, mesh, batches, lambda y, t: ((y - t) ** 2).mean(), kind)
-    log = stage.log
-    return {"events": log["events"], "peak": log["peak"], "saved": max(log["saved"])}
+    return stage.pipeline_stats
 
 
 def bubble_run(p=4, m=8, kind="1f1b", tf=0.04, tb=0.08, width=256, rows=64):
-    """Per stage: its events (kind, start, end) in seconds from the step's start, busy and idle fraction of
-    the step (first forward anywhere to last backward anywhere), peak micro-batches in flight and the
-    bytes of saved activations one micro-batch holds."""
-    res = launch(_bubble_worker, p, args=(p, m, kind, tf, tb, width, rows), timeout=300, threads=1)
-    t0 = min(e[1] for r in res for e in r["events"])
-    t1 = max(e[2] for r in res for e in r["events"])
+    """Per stage, what ``train_batch``'s recorder measured (``stage.pipeline_stats``): its operations as
+    (kind, start, end) in seconds from the step's first operation on any rank, its idle fraction of the step
+    (first operation anywhere to last anywhere), the most micro-batches in flight, the peak bytes of
+    activations kept; and ``bubble``, ``parallel.pipeline_bubble`` over every rank."""
+    from zerolab.parallel.pipeline_stats import pipeline_bubble
+    stats = launch(_bubble_worker, p, args=(p, m, kind, tf, tb, width, rows), timeout=300, threads=1)
+    t0 = min(op[2] for st in stats for op in st["trace"])
+    t1 = max(op[3] for st in stats for op in st["trace"])
+    bubble = pipeline_bubble(stats)
     out = []
-    for r in res:
-        events = [(k, a - t0, b - t0) for k, a, b in r["events"]]
-        busy = sum(b - a for _, a, b in events)
-        out.append({"events": events, "busy": busy, "idle": 1 - busy / (t1 - t0), "peak": r["peak"],
-                    "saved": r["saved"], "step": t1 - t0})
+    for st in stats:
+        events = [(k, a - t0, b - t0) for k, _, a, b in st["trace"]]
+        out.append({"events": events, "busy": st["busy"], "idle": 1 - st["busy"] / (t1 - t0),
+                    "peak": st["in_flight_max"], "activations": st["activation_peak_bytes"], "step": t1 - t0,
+                    "bubble": bubble})
     return out
 
 
