@@ -9,7 +9,14 @@ style:
   ``"colwise_qkv"``: a fused q|k|v, each of the three split (this rank's heads);
 * ``"rowwise"`` — an ``nn.Linear`` split by input features (its input must be
   a column-parallel layer's slice), output summed over the TP group;
-* ``"vocab"`` — an ``nn.Embedding`` split by vocabulary rows.
+* ``"vocab"`` — an ``nn.Embedding`` split by vocabulary rows;
+* ``"sequence"`` (only with ``sequence_parallel=True``) — any module, kept
+  whole; its output keeps this rank's rows of the sequence (a position
+  embedding: ``parallel/sequence.py``).
+
+``sequence_parallel=True`` adds Megatron-LM's sequence parallelism
+(``parallel/sequence.py``); with the default plan it adds ``GPT_SP_PLAN``
+(TinyGPT's ``wpe`` as ``"sequence"``).
 
 ``GPT_PLAN`` (the default) converts ``zerolab.book.models.TinyGPT``: q, k, v
 and the MLP's ``fc`` column-wise, the attention's ``proj`` and the MLP's
@@ -36,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, as_linear, unshard
+from zerolab.parallel.sequence import wire
 
 GPT_PLAN = {
     "wte": "vocab",
@@ -51,8 +59,9 @@ HF_GPT2_PLAN = {
     "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
     "lm_head": "colwise",
 }
+GPT_SP_PLAN = {"wpe": "sequence"}   # added to GPT_PLAN under sequence_parallel=True
 STYLES = {"colwise": "Linear", "colwise_gather": "Linear", "colwise_qkv": "Linear", "rowwise": "Linear",
-          "vocab": "Embedding"}
+          "vocab": "Embedding", "sequence": None}
 HEAD_ATTRS = ("n_head", "num_heads", "split_size")   # divided by tp where a child is split column-wise
 
 
@@ -87,14 +96,19 @@ def _convert(module, style, comm, memo, name):
                                 name=name, parts=3 if style == "colwise_qkv" else 1)
 
 
-def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None) -> nn.Module:
+def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None, sequence_parallel: bool = False) -> nn.Module:
     """Replace, in place, each module of ``model`` whose dotted name matches a glob of ``plan``
     (default ``GPT_PLAN``) by its tensor-parallel form over ``mesh``'s TP group; returns ``model``.
-    Every rank must call it with the same model (the values are sliced, not communicated)."""
-    plan = GPT_PLAN if plan is None else plan
+    Every rank must call it with the same model (the values are sliced, not communicated).
+    ``sequence_parallel``: activations between the TP regions split along the sequence (module docstring)."""
+    if plan is None:
+        plan = {**GPT_PLAN, **GPT_SP_PLAN} if sequence_parallel else GPT_PLAN
     bad = {g: s for g, s in plan.items() if s not in STYLES}
     if bad:
         raise ValueError(f"tensor_parallel: unknown style(s) {bad}; choose from {sorted(STYLES)}")
+    if not sequence_parallel and "sequence" in plan.values():
+        raise ValueError(f"tensor_parallel: style 'sequence' ({[g for g, s in plan.items() if s == 'sequence']}) "
+                         f"needs sequence_parallel=True")
     comm = mesh.communicator("tp")
     tp, used, memo = comm.world_size, set(), {}
     targets = [(n, m, s) for n, m in model.named_modules() if n and (s := _style_of(n, plan, used))]
@@ -112,13 +126,16 @@ def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None) -> nn.Modu
                 if getattr(m, attr) % tp:
                     raise ValueError(f"tensor_parallel: tp={tp} does not divide {attr}={getattr(m, attr)} of {n!r}")
                 heads.setdefault(n, (m, []))[1].append(attr)
-    new = [(n, _convert(m, s, comm, memo, n)) for n, m, s in targets]   # all built (and checked) first
+    seq = [n for n, _, s in targets if s == "sequence"]
+    new = [(n, _convert(m, s, comm, memo, n)) for n, m, s in targets if s != "sequence"]   # all built first
     for n, layer in new:
         parent, _, attr = n.rpartition(".")
         setattr(model.get_submodule(parent), attr, layer)
     for m, attrs in heads.values():
         for attr in attrs:
             setattr(m, attr, getattr(m, attr) // tp)
+    if sequence_parallel:
+        wire(model, comm, heads, seq)
     return model
 
 
