@@ -28,7 +28,7 @@ from zerolab.engine.checkpoint import mesh_state as ms
 from zerolab.engine.checkpoint.files import (LATEST, CheckpointError, check_tag_dir, dumps, fsync_dir,
                                           read_manifest, resolve_tag, write_text_atomic)
 from zerolab.engine.checkpoint.mesh_source import MeshSource, read_mesh_manifest
-from zerolab.engine.checkpoint.save import save_checkpoint
+from zerolab.engine.checkpoint.save import _check_boundary, _check_plain, save_checkpoint
 
 MESH_MANIFEST, MESH_FORMAT, MESH_VERSION, SUB_TAG = "mesh.json", "zerolab-mesh-checkpoint", 1, "shards"
 
@@ -52,6 +52,8 @@ def agree_world(error: BaseException | None, what: str) -> None:
 
 def save_mesh_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False) -> str:
     """Collective over the mesh: write ``save_dir/<tag>`` (default ``global_step{N}``); returns the path."""
+    _check_boundary(engine)   # the plain save's own checks, first, on every rank alike
+    _check_plain(client_state or {})
     m = ms.mesh_sizes(engine)
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
