@@ -139,26 +139,50 @@ def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None, sequence_p
     return model
 
 
+class TPDims(dict):
+    """``tp_dims``'s answer: ``{name: (dim, parts)}``, plus ``local_shapes`` (this TP rank's shape of each,
+    where the parameter holds its values) and ``tp`` — so ``gather_tp`` can tell a slice from a tensor
+    already whole (``engine.full_state_dict()`` under a mesh gathers over TP itself) and pass it through."""
+    local_shapes: dict
+    tp: int
+
+
 def tp_dims(model: nn.Module) -> dict:
     """``{parameter name: (split dimension, parts)}`` for every tensor-parallel parameter of
     ``model`` (names as ``model.named_parameters(remove_duplicate=False)`` gives them; parts > 1:
     a fused q|k|v, each block split)."""
-    out = {}
+    out, shapes, tp = TPDims(), {}, 1
     for mname, m in model.named_modules(remove_duplicate=False):
         for pname, dim in getattr(m, "tp_dims", {}).items():
-            if getattr(m, pname, None) is not None:
-                out[f"{mname}.{pname}".lstrip(".")] = dim
+            p = getattr(m, pname, None)
+            if p is not None:
+                name = f"{mname}.{pname}".lstrip(".")
+                out[name] = dim
+                if p.numel():   # a parameter ZeRO-3 released holds no shape to compare with
+                    shapes[name] = tuple(p.shape)
+                tp = getattr(getattr(m, "comm", None), "world_size", tp)
+    out.local_shapes, out.tp = shapes, tp
     return out
+
+
+def _already_whole(name, t, dims) -> bool:
+    local = getattr(dims, "local_shapes", {}).get(name)
+    if local is None or tuple(t.shape) == local:
+        return False
+    full = list(local)
+    full[dims[name][0]] *= dims.tp
+    return tuple(t.shape) == tuple(full)
 
 
 def gather_tp(state: dict, dims: dict, mesh) -> dict:
     """``state`` (name -> tensor, this TP rank's slices) with every name in ``dims`` all-gathered
     over the TP group along its dimension: full shapes, as before ``tensor_parallel``. A collective
-    over the TP group, in ``state``'s order: every rank passes the same names."""
+    over the TP group, in ``state``'s order: every rank passes the same names. A tensor already whole
+    (``engine.full_state_dict()`` under a mesh: its full shape, per ``tp_dims``) is passed through."""
     comm = mesh.communicator("tp")
     out = {}
     for name, t in state.items():
-        if name not in dims or comm.world_size == 1:
+        if name not in dims or comm.world_size == 1 or _already_whole(name, t, dims):
             out[name] = t
             continue
         t = t.detach().contiguous()
@@ -171,7 +195,8 @@ def gather_tp(state: dict, dims: dict, mesh) -> dict:
 
 def gather_3d(state: dict, dims: dict, mesh) -> dict:
     """The whole model's state on every rank, as before ``tensor_parallel`` and ``pipeline_stage``:
-    this stage's ``state`` (e.g. ``engine.full_state_dict()``, already whole over DP) with its TP
+    this stage's ``state`` (a plain stage's ``state_dict()``; ``engine.full_state_dict()`` under a mesh is
+    already whole over DP, TP and PP, and passes through unchanged) with its TP
     slices joined (``gather_tp``), then every PP stage's names merged (an all-gather of the stages'
     dicts over the PP group; a collective on every rank, not booked in the ledger)."""
     state = gather_tp(state, dims, mesh)
