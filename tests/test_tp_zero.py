@@ -148,25 +148,27 @@ def test_estimate_3d_by_hand():
 
 def _checkpoint_worker(path):
     mesh = zl.mesh(dp=2, tp=2)
-    engine = zl.initialize(tensor_parallel(build(), mesh), {"optimizer": ADAM}, mesh=mesh)
-    out = []
-    for call in (lambda: engine.save_checkpoint(path), lambda: engine.load_checkpoint(path),
-                 lambda: engine.save_16bit_model(path)):
-        try:
-            call()
-            out.append(None)
-        except NotImplementedError as e:
-            out.append(str(e))
-    return out
+    engine = zl.initialize(tensor_parallel(build(), mesh), {"optimizer": ADAM, "bf16": {"enabled": True}}, mesh=mesh)
+    tag = engine.save_checkpoint(path)
+    engine.load_checkpoint(path)
+    written = engine.save_16bit_model(path, "model.pt")
+    full = engine.full_state_dict(rank0_only=True)
+    if mesh.rank:
+        return None
+    saved = torch.load(written, weights_only=True)
+    return {"files": sorted(os.listdir(tag)), "names": list(saved) == list(full),
+            "bf16": all(t.dtype == torch.bfloat16 for t in saved.values()),
+            "equal": all(torch.equal(saved[k], full[k].to(torch.bfloat16)) for k in full),
+            "shapes": {k: tuple(t.shape) for k, t in saved.items()} == {k: tuple(t.shape) for k, t in
+                                                                        build().state_dict().items()}}
 
 
 def test_checkpoints_under_tp(tmp_path):
     """Checkpoints under TP are written per (tp, pp) coordinate (tests/test_mesh_checkpoint.py); the 16-bit
-    model file is not implemented under TP yet, and says so."""
+    model file holds the whole model, original names and full shapes, written by global rank 0."""
     out = zl.launch(_checkpoint_worker, 4, args=(str(tmp_path),), timeout=120, threads=1)[0]
-    assert out[:2] == [None, None], out
-    assert out[2] and "save_16bit_model" in out[2] and "full_state_dict(rank0_only=True)" in out[2], out
-    assert sorted(os.listdir(tmp_path / "global_step0")) == ["mesh.json", "tp0_pp0", "tp1_pp0"]
+    assert out == {"files": ["mesh.json", "tp0_pp0", "tp1_pp0"], "names": True, "bf16": True, "equal": True,
+                   "shapes": True}, out
 
 
 def _bf16_worker(cfgs):

@@ -16,7 +16,8 @@ import torch
 
 from zerolab.engine.bigmodel.load import load_state_dict
 from zerolab.engine.checkpoint.load import load_checkpoint
-from zerolab.engine.checkpoint.mesh import is_mesh_checkpoint, load_mesh_checkpoint, save_mesh_checkpoint
+from zerolab.engine.checkpoint.mesh import (is_mesh_checkpoint, load_mesh_checkpoint, save_16bit_mesh,
+                                           save_mesh_checkpoint)
 from zerolab.engine.checkpoint.mesh_state import full_state_dict as full_state_dict_3d, is_3d
 from zerolab.engine.checkpoint.save import save_16bit_model, save_checkpoint
 from zerolab.engine.checkpoint.state import consolidated_state_dict
@@ -68,12 +69,6 @@ class EngineAPI:
         return consolidated_state_dict(self, rank0_only)
 
     # ---------------------------------------------------------------- checkpoints (chapter 8)
-    def _whole_model_only(self, what: str) -> None:
-        """The 16-bit model file is written by rank 0 from its own DP group: not yet under TP/PP."""
-        if is_3d(self):
-            raise NotImplementedError(f"{what} under {self.mesh}: not implemented for a TP/PP-split model yet; "
-                                      f"engine.full_state_dict(rank0_only=True) gives the whole model")
-
     def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False) -> str:
         """Collective: save to ``save_dir/<tag>`` (default ``global_step{N}``), atomically (checkpoint/save.py;
         under a 3D mesh, one folder per (tp, pp) coordinate and ``mesh.json``: checkpoint/mesh.py)."""
@@ -90,7 +85,8 @@ class EngineAPI:
 
     def save_16bit_model(self, save_dir, filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Collective: rank 0 writes the whole model in its compute dtype (gathered at stage 3)."""
-        self._whole_model_only("save_16bit_model")
+        if is_3d(self):   # the whole model from every (tp, pp) coordinate, written by global rank 0
+            return save_16bit_mesh(self, save_dir, filename)
         return save_16bit_model(self, save_dir, filename, exclude_frozen_parameters)
 
     def load_state_dict(self, state_dict_or_path, strict: bool = True):

@@ -160,3 +160,23 @@ def load_mesh_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     agree_world(error, "load_checkpoint")
     engine.after_update()
     return os.path.join(load_dir, tag), client_state
+
+
+def save_16bit_mesh(engine, save_dir, filename="pytorch_model.bin") -> str:
+    """Collective over the mesh: global rank 0 writes the whole model (original names, full shapes) in
+    the compute dtype — the fp32 values cast, which is what the step writes into the 16-bit parameters."""
+    import torch
+    from zerolab.engine.checkpoint.files import write_checked
+    sd = ms.full_state_dict(engine, rank0_only=True)
+    path, error = os.path.join(os.fspath(save_dir), filename), None
+    if sd is not None:
+        dtype = engine.precision.compute_dtype
+        sd = {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in sd.items()}
+        try:
+            os.makedirs(os.fspath(save_dir), exist_ok=True)
+            write_checked(sd, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            error = CheckpointError(f"save_16bit_model: cannot write {path} ({e.strerror})")
+    agree_world(error, "save_16bit_model")
+    return path
