@@ -195,7 +195,6 @@ def _zero_worker(cases):
     out = []
     for stage, gas, clip in cases:
         model = tensor_parallel(build(), mesh, sequence_parallel=True)
-        dims = tp_dims(model)
         engine = zl.initialize(model, {"optimizer": ADAM, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
                                        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}, mesh=mesh)
         for step in range(STEPS):
@@ -204,7 +203,7 @@ def _zero_worker(cases):
                 lo = (k * DP + mesh.dp_rank) * MBS
                 engine.backward(vocab_parallel_cross_entropy(engine(x[lo:lo + MBS]), y[lo:lo + MBS], mesh))
                 engine.step()
-        sd = gather_tp(engine.full_state_dict(), dims, mesh)
+        sd = engine.full_state_dict()   # whole over TP and DP under a mesh
         out.append(sd if mesh.rank == 0 else None)
     return out
 
@@ -245,3 +244,30 @@ def test_bad_sequence_input_is_named():
     errors = zl.launch(_bad_worker, 2, timeout=60, threads=1)[0]
     assert "sequence parallelism at 'wte': tp=2 does not divide the sequence length 15" in errors["odd"], errors
     assert "style 'sequence' (['wpe']) needs sequence_parallel=True" in errors["style"], errors
+
+
+def _pp_worker(dp, tp, pp):
+    """tests/test_pipeline.py's 3D run with sequence_parallel=True: the activations sent between stages
+    hold T/tp of the sequence."""
+    from test_pipeline import ADAM as P_ADAM, M as P_M, STEPS as P_STEPS, batches, gpt
+    from zerolab.parallel import pipeline_stage, train_batch
+    mesh = zl.mesh(dp=dp, tp=tp, pp=pp)
+    model = gpt()
+    stage = pipeline_stage(tensor_parallel(model, mesh, sequence_parallel=True), mesh)
+    engine = zl.initialize(stage, {"optimizer": P_ADAM, "gradient_accumulation_steps": P_M,
+                                   "zero_optimization": {"stage": 1}}, mesh=mesh)
+    losses, rows = [], 4 // dp
+    for step in range(P_STEPS):
+        mine = [(x[rows * mesh.dp_rank: rows * (mesh.dp_rank + 1)], y[rows * mesh.dp_rank: rows * (mesh.dp_rank + 1)])
+                for x, y in batches(model, step, rows=4)]
+        losses.append(train_batch(engine, mesh, mine, lambda out, y: vocab_parallel_cross_entropy(out, y, mesh)))
+    state = engine.full_state_dict()   # whole over TP, PP and DP under a mesh
+    return {"state": state if mesh.rank == 0 else {k: v.sum().item() for k, v in state.items()}, "losses": losses,
+            "bytes": {g: engine.comm.total_bytes(group=g) for g in ("dp", "tp", "pp")}}
+
+
+def test_sequence_parallel_under_pipeline_stages_matches_single_process():
+    """TP=2 with sequence parallelism inside PP=2 stages (4 ranks) trains to single-process training's
+    parameters (tests/test_pipeline.py's reference and check)."""
+    from test_pipeline import check_3d
+    check_3d(zl.launch(_pp_worker, 4, args=(1, 2, 2), timeout=300, threads=1), 1, 2, 2)
