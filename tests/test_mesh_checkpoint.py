@@ -182,3 +182,28 @@ def test_checkpoint_of_another_model_is_named(run):
             in r["fewer_layers"], r["fewer_layers"]
         assert "parameter 'wte.weight' has full shape [128, 32] in the checkpoint, the model's is [256, 32]" \
             in r["wider_vocab"], r["wider_vocab"]
+
+
+def _full_disk_worker(root):
+    """(2, 2, 1): rank 3 (the DP group of coordinate tp 1) writes on /dev/full; nothing may hang."""
+    import zerolab.engine.checkpoint.files as io
+    e, mesh = engine_on(2, 2, 1, 1)
+    e.save_checkpoint(root, tag="good")
+    if mesh.rank == 3:
+        io.open_for_write = lambda path: open("/dev/full", "wb")
+    try:
+        e.save_checkpoint(root, tag="bad")
+        return None
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_failed_coordinate_fails_the_save_everywhere(tmp_path):
+    out = zl.launch(_full_disk_worker, 4, args=(str(tmp_path),), timeout=120, threads=1)
+    assert all(o and o.startswith("CheckpointError") for o in out), out
+    assert "global rank 3 (dp 1, tp 1, pp 0" in out[3] and "the disk is full" in out[3], out[3]
+    assert "global rank 1 (dp 0, tp 1, pp 0" in out[1], out[1]   # its DP group's partner hears of it
+    assert "failed on rank 1 (2 rank(s) failed)" in out[0] and "disk is full" in out[0], out[0]
+    assert sorted(os.listdir(tmp_path)) == ["good", "latest"], os.listdir(tmp_path)
+    assert (tmp_path / "latest").read_text().strip() == "good"

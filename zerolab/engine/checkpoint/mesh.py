@@ -76,7 +76,9 @@ def save_mesh_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_
         save_checkpoint(engine, os.path.join(tmp, folder(m["tp_rank"], m["pp_rank"])), SUB_TAG, client_state,
                         exclude_frozen_parameters)
     except Exception as e:  # noqa: BLE001 - the other groups must hear of it, or they would hang
-        error = e
+        error = CheckpointError(f"global rank {m['rank']} (dp {m['dp_rank']}, tp {m['tp_rank']}, pp {m['pp_rank']}; "
+                                f"'rank' below is the DP rank in its group): {e}")
+        error.__cause__ = e
     try:
         agree_world(error, "save_checkpoint")
     except CheckpointError:
