@@ -271,3 +271,29 @@ def test_sequence_parallel_under_pipeline_stages_matches_single_process():
     parameters (tests/test_pipeline.py's reference and check)."""
     from test_pipeline import check_3d
     check_3d(zl.launch(_pp_worker, 4, args=(1, 2, 2), timeout=300, threads=1), 1, 2, 2)
+
+
+def _mixed_worker(cfgs):
+    from test_tp_zero import DP, MBS, STEPS_BF16, build
+    mesh = zl.mesh(dp=DP, tp=2)
+    out = []
+    for cfg in cfgs:
+        engine = zl.initialize(tensor_parallel(build(), mesh, sequence_parallel=True), cfg, mesh=mesh)
+        for step in range(STEPS_BF16):
+            x, y = synthetic_batch(build(), DP * engine.gas * MBS, seed=7, step=step)
+            for k in range(engine.gas):
+                lo = (k * DP + mesh.dp_rank) * MBS
+                engine.backward(vocab_parallel_cross_entropy(engine(x[lo:lo + MBS]), y[lo:lo + MBS], mesh))
+                engine.step()
+        out.append((engine.full_state_dict(), engine.skipped_steps, str(engine.flat.flat.dtype)))
+    return out
+
+
+def test_mixed_precision_sequence_parallel_matches_fp32_master_reference():
+    """bf16 and fp16 (the LayerNorm gradients all-reduced over TP in the compute dtype) under TP2 x DP2 with
+    sequence parallelism, against the precision tests' reference with their tolerance."""
+    from test_engine_precision import check_case, config
+    cfgs = [config(1, "bf16", "sgd"), config(3, "bf16", "adam"), config(1, "fp16", "sgd")]
+    results = zl.launch(_mixed_worker, 4, args=(cfgs,), timeout=300, threads=1)
+    for ci, cfg in enumerate(cfgs):
+        check_case("gpt", cfg, 2, results[0][ci])
