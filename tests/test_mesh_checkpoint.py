@@ -58,7 +58,7 @@ def saved_full(tag_dir):
     from zerolab.engine.checkpoint.mesh_source import MeshSource, read_mesh_manifest
 
     class Whole:   # a "rank" holding every parameter whole
-        flat, module = type("F", (), {"frozen": []})(), torch.nn.Module()
+        flat, module, gas = type("F", (), {"frozen": []})(), torch.nn.Module(), 1
     man = read_mesh_manifest(tag_dir, "mesh.json", "zerolab-mesh-checkpoint", 1, read_manifest)
     desc = {"tp": 1, "tp_rank": 0, "params": {n: [p["shape"], None] for n, p in man["params"].items()}}
     src = MeshSource(tag_dir, man, Whole(), desc)
@@ -207,3 +207,43 @@ def test_a_failed_coordinate_fails_the_save_everywhere(tmp_path):
     assert "failed on rank 1 (2 rank(s) failed)" in out[0] and "disk is full" in out[0], out[0]
     assert sorted(os.listdir(tmp_path)) == ["good", "latest"], os.listdir(tmp_path)
     assert (tmp_path / "latest").read_text().strip() == "good"
+
+
+def _tied_worker(root):
+    """The head tied to the embedding: one parameter within a stage (an alias in the checkpoint), a copy on
+    the first and on the last stage under pipeline parallelism (two parameters)."""
+    tied = _tied_engine
+    out = {}
+    a, mesh = tied(1, 2, 2)
+    train(a, mesh, range(1))
+    a.save_checkpoint(f"{root}/ta")
+    train(a, mesh, range(1, 2))
+    out["a2"] = a.full_state_dict()
+    b, mesh = tied(2, 2, 1)
+    b.load_checkpoint(f"{root}/ta")
+    train(b, mesh, range(1, 2))
+    out["b2"] = b.full_state_dict()
+    b.save_checkpoint(f"{root}/tb")
+    train(b, mesh, range(2, 3))
+    out["b3"] = b.full_state_dict()
+    c, mesh = tied(1, 2, 2)
+    c.load_checkpoint(f"{root}/tb")
+    train(c, mesh, range(2, 3))
+    out["c3"] = c.full_state_dict()
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+def _tied_engine(dp, tp, pp):
+    mesh = zl.mesh(dp=dp, tp=tp, pp=pp)
+    model = TinyGPT.preset("micro", key_bias=False, seed=1)   # tied
+    if tp > 1:
+        model = tensor_parallel(model, mesh)
+    cfg = {"optimizer": ADAM, "gradient_accumulation_steps": M if pp > 1 else 1, "zero_optimization": {"stage": 1}}
+    return zl.initialize(model, cfg, mesh=mesh), mesh   # initialize cuts the stages (pp > 1)
+
+
+def test_tied_weights_across_stages_reshard(tmp_path):
+    got = zl.launch(_tied_worker, 4, args=(str(tmp_path),), timeout=300, threads=1)[0]
+    assert got["a2"]["head.weight"].equal(got["a2"]["wte.weight"])
+    diffs = {"a2-b2": worst(got["a2"], got["b2"]), "b3-c3": worst(got["b3"], got["c3"])}
+    assert all(v <= 1e-6 for v in diffs.values()), diffs

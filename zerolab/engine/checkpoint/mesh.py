@@ -26,7 +26,7 @@ import shutil
 
 from zerolab.engine.checkpoint import mesh_state as ms
 from zerolab.engine.checkpoint.files import (LATEST, CheckpointError, check_tag_dir, dumps, fsync_dir,
-                                          read_manifest, resolve_tag, write_text_atomic)
+                                          read_manifest, replace_dir, resolve_tag, write_text_atomic)
 from zerolab.engine.checkpoint.mesh_source import MeshSource, read_mesh_manifest
 from zerolab.engine.checkpoint.save import _check_boundary, _check_plain, save_checkpoint
 
@@ -70,7 +70,8 @@ def save_mesh_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_
         except OSError as e:
             error = CheckpointError(f"{save_dir}: cannot create the checkpoint folder ({e.strerror})")
     agree_world(error, "save_checkpoint")
-    model = ms.merge(ms.world_all_gather(ms.describe(engine)))
+    descriptions = ms.world_all_gather(ms.describe(engine))
+    model = ms.merge(descriptions)
     error = None
     try:   # this coordinate's DP group: today's format (its own collectives over DP, its own agreement)
         save_checkpoint(engine, os.path.join(tmp, folder(m["tp_rank"], m["pp_rank"])), SUB_TAG, client_state,
@@ -92,16 +93,10 @@ def save_mesh_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_
                         "mesh": {"dp": m["dp"], "tp": m["tp"], "pp": m["pp"]},
                         "folders": {folder(t, p): {"tp": t, "pp": p, "tag": SUB_TAG}
                                     for p in range(m["pp"]) for t in range(m["tp"])},
-                        "global_steps": engine.global_steps, "params": model}
+                        "global_steps": engine.global_steps, "params": model,
+                        "aliases": ms.merge_aliases(descriptions, model)}
             write_text_atomic(os.path.join(tmp, MESH_MANIFEST), dumps(manifest))
-            if os.path.exists(final):
-                old = os.path.join(save_dir, f".{tag}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
+            replace_dir(tmp, final)   # the same tag saved again: exchanged with the old in one rename
             fsync_dir(save_dir)
             write_text_atomic(os.path.join(save_dir, LATEST), tag + "\n")
         except OSError as e:
@@ -117,9 +112,11 @@ def is_mesh_checkpoint(load_dir, tag=None) -> bool:
     return tag is not None and os.path.exists(os.path.join(os.fspath(load_dir), tag, MESH_MANIFEST))
 
 
-def check_model(manifest: dict, model: dict, where: str) -> None:
-    """The whole model (names, full shapes) against the manifest's: a named ``CheckpointError``."""
-    saved = manifest["params"]
+def check_model(manifest: dict, params: dict, aliases: dict, where: str) -> None:
+    """The whole model (names, tied names too, and full shapes) against the manifest's: a named
+    ``CheckpointError``."""
+    saved = ms.named_shapes(manifest["params"], manifest.get("aliases", {}))
+    model = ms.named_shapes(params, aliases)
     missing, extra = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
     if missing:
         raise CheckpointError(f"{where}: parameter {missing[0]!r} of the model is not in the checkpoint "
@@ -127,10 +124,10 @@ def check_model(manifest: dict, model: dict, where: str) -> None:
     if extra:
         raise CheckpointError(f"{where}: parameter {extra[0]!r} of the checkpoint is not a trainable parameter of "
                               f"the model ({len(extra)} such; saved from another model?)")
-    for name, p in model.items():
-        if list(saved[name]["shape"]) != list(p["shape"]):
-            raise CheckpointError(f"{where}: parameter {name!r} has full shape {list(saved[name]['shape'])} in the "
-                                  f"checkpoint, the model's is {list(p['shape'])} (before tensor parallelism)")
+    for name, shape in model.items():
+        if saved[name] != shape:
+            raise CheckpointError(f"{where}: parameter {name!r} has full shape {saved[name]} in the "
+                                  f"checkpoint, the model's is {shape} (before tensor parallelism)")
 
 
 def load_mesh_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
@@ -144,12 +141,13 @@ def load_mesh_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         warnings.warn(f"load_checkpoint: {load_dir!r} has no 'latest' file, so no checkpoint to load; the "
                       f"engine keeps its current state (returning (None, None))", stacklevel=3)
         return None, None
-    model = ms.merge(ms.world_all_gather(ms.describe(engine)))   # before anything that may fail on one rank
+    descriptions = ms.world_all_gather(ms.describe(engine))   # before anything that may fail on one rank
+    model = ms.merge(descriptions)
     error, client_state, source = None, None, None
     try:
         tag_dir = check_tag_dir(load_dir, tag)
         manifest = read_mesh_manifest(tag_dir, MESH_MANIFEST, MESH_FORMAT, MESH_VERSION, read_manifest)
-        check_model(manifest, model, os.path.join(tag_dir, MESH_MANIFEST if manifest["mesh_file"] else
+        check_model(manifest, model, ms.merge_aliases(descriptions, model), os.path.join(tag_dir, MESH_MANIFEST if manifest["mesh_file"] else
                                                   "manifest.json"))
         source = MeshSource(tag_dir, manifest, engine, ms.describe(engine))
         client_state = _load_state(engine, source, load_optimizer_states, load_lr_scheduler_states)

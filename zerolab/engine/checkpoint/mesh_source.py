@@ -30,7 +30,8 @@ def read_mesh_manifest(tag_dir: str, name: str, fmt: str, version: int, read_pla
         plain = read_plain(tag_dir)
         params = {n: {"shape": list(shape), "tp_split": None, "pp_stage": 0}
                   for u in plain["layout"]["units"] for n, shape, _ in u["params"]}
-        return {"mesh": {"dp": plain["engine"]["world_size"], "tp": 1, "pp": 1}, "params": params,
+        aliases = {a: n for a, n in plain["layout"].get("aliases", {}).items() if n in params}
+        return {"mesh": {"dp": plain["engine"]["world_size"], "tp": 1, "pp": 1}, "params": params, "aliases": aliases,
                 "folders": {"": {"tp": 0, "pp": 0, "tag": ""}}, "mesh_file": False}
     try:
         with open(path) as f:
@@ -55,10 +56,15 @@ class MeshSource:
         self._where = {(f["tp"], f["pp"]): (os.path.join(tag_dir, name, f["tag"]) if name else tag_dir)
                        for name, f in manifest["folders"].items()}
         self._subs, self._cache = {}, (None, {})
-        stages = sorted({manifest["params"][n]["pp_stage"] for n in self.mine}) or [0]
+        canon = {n: n if n in manifest["params"] else manifest.get("aliases", {}).get(n, n) for n in self.mine}
+        stages = sorted({manifest["params"][c]["pp_stage"] for c in canon.values()}) or [0]
         first = self.sub(0, stages[0])
         self.manifest, self.layout = first.manifest, {"frozen": []}
         self.engine = json.loads(json.dumps(first.engine))   # a copy: the skipped counts merged below
+        # micro-steps: the windows completed, in this engine's window (a pipeline needs gas >= pp, so
+        # the accumulation steps change with the mesh; a checkpoint is always saved at a window's end)
+        windows = self.engine["micro_steps"] // max(1, self.engine.get("gradient_accumulation_steps", 1))
+        self.engine["micro_steps"] = windows * engine.gas
         skipped = self.engine["optimizer"].setdefault("skipped", {})
         for p in stages:
             skipped.update(self.sub(0, p).engine["optimizer"].get("skipped", {}))
@@ -83,6 +89,8 @@ class MeshSource:
         return sum(s.bytes_read for s in self._subs.values())
 
     def _full(self, name: str, key: str):
+        if name not in self.mesh_manifest["params"]:   # tied: saved under the parameter's other name
+            name = self.mesh_manifest.get("aliases", {})[name]
         info = self.mesh_manifest["params"][name]
         p, split = info["pp_stage"], info["tp_split"]
         pieces = []

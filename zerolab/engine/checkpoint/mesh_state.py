@@ -63,11 +63,13 @@ def shard(full: torch.Tensor, dim: int, parts: int, n: int, r: int) -> torch.Ten
 
 
 def describe(engine) -> dict:
-    """This rank's coordinates, trainable parameters ({name: [local shape, [dim, parts] | None]}) and buffers."""
-    dims, m = split_dims(engine.module), mesh_sizes(engine)
+    """This rank's coordinates, trainable parameters ({name: [local shape, [dim, parts] | None]}), the
+    other names of a tied parameter ({alias: name}) and buffers."""
+    dims, m, lay = split_dims(engine.module), mesh_sizes(engine), layout(engine)
     params = {name: [shape, list(dims[name]) if name in dims and m["tp"] > 1 else None]
-              for u in layout(engine)["units"] for name, shape, _ in u["params"]}
-    return {**m, "params": params, "buffers": [k for k, _ in engine.module.named_buffers()]}
+              for u in lay["units"] for name, shape, _ in u["params"]}
+    aliases = {a: n for a, n in lay["aliases"].items() if n in params}
+    return {**m, "params": params, "aliases": aliases, "buffers": [k for k, _ in engine.module.named_buffers()]}
 
 
 def merge(descriptions: list) -> dict:
@@ -81,6 +83,18 @@ def merge(descriptions: list) -> dict:
                 full[split[0]] *= d["tp"]
             out.setdefault(name, {"shape": full, "tp_split": split, "pp_stage": d["pp_rank"]})
     return out
+
+
+def merge_aliases(descriptions: list, params: dict) -> dict:
+    """{alias: parameter name} of every rank's tied names that are not parameters of another stage (a
+    weight tied across pipeline stages is a parameter on each; inside one stage, one parameter)."""
+    return {a: n for d in descriptions for a, n in d.get("aliases", {}).items() if a not in params}
+
+
+def named_shapes(params: dict, aliases: dict) -> dict:
+    """Every name of the model, aliases too, with its full shape: what two models are compared by."""
+    return {**{n: list(p["shape"]) for n, p in params.items()},
+            **{a: list(params[n]["shape"]) for a, n in aliases.items() if n in params}}
 
 
 def world_all_gather(obj) -> list:
