@@ -92,6 +92,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _split_param(linear.weight, 0, comm, memo, parts)
         self.bias = None if linear.bias is None else _split_param(linear.bias, 0, comm, memo, parts)
 
+    def tp_shapes(self) -> dict:
+        """This rank's shape of each split parameter (also once ZeRO-3 has released its values)."""
+        return {"weight": (self.out_features, self.in_features), "bias": (self.out_features,)}
+
     def forward(self, x):
         if self.sequence_parallel == "gather":
             x = gather_from_sequence(x, self.comm, self.tp_name)
@@ -120,6 +124,9 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features // comm.world_size, linear.out_features
         self.weight = _split_param(linear.weight, 1, comm, memo)
         self.bias = linear.bias   # replicated: added once, after the sum
+
+    def tp_shapes(self) -> dict:
+        return {"weight": (self.out_features, self.in_features)}
 
     def forward(self, x):
         y = F.linear(x, self.weight)
@@ -150,6 +157,9 @@ class VocabParallelEmbedding(nn.Module):
         self.embedding_dim = emb.embedding_dim
         self.start = comm.rank * self.num_embeddings
         self.weight = _split_param(emb.weight, 0, comm, memo)
+
+    def tp_shapes(self) -> dict:
+        return {"weight": (self.num_embeddings, self.embedding_dim)}
 
     def forward(self, idx):
         local = idx - self.start

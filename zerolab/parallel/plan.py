@@ -158,8 +158,8 @@ def tp_dims(model: nn.Module) -> dict:
             if p is not None:
                 name = f"{mname}.{pname}".lstrip(".")
                 out[name] = dim
-                if p.numel():   # a parameter ZeRO-3 released holds no shape to compare with
-                    shapes[name] = tuple(p.shape)
+                local = m.tp_shapes().get(pname) if hasattr(m, "tp_shapes") else None   # ZeRO-3 may have
+                shapes[name] = tuple(local) if local is not None else tuple(p.shape)   # released the values
                 tp = getattr(getattr(m, "comm", None), "world_size", tp)
     out.local_shapes, out.tp = shapes, tp
     return out
