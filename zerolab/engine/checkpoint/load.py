@@ -18,6 +18,7 @@ import torch
 
 from zerolab.engine.checkpoint.save import agree
 from zerolab.engine.bigmodel.load import load_frozen_shards
+from zerolab.engine.checkpoint.ds_load import open_deepspeed
 from zerolab.engine.checkpoint.files import CheckpointError, check_tag_dir, optim_file, read_manifest, resolve_tag
 from zerolab.engine.checkpoint.reshard import SavedCheckpoint, check_compatible, fill_owned
 from zerolab.engine.checkpoint.state import ShiftedSchedule, layout, owned_start, state_keys, write_owned
@@ -34,8 +35,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True, load
                       f"engine keeps its current state (returning (None, None))", stacklevel=3)
         return None, None
     tag_dir = check_tag_dir(load_dir, tag)
-    manifest = read_manifest(tag_dir)
-    saved = SavedCheckpoint(tag_dir, manifest)
+    saved = open_deepspeed(tag_dir) or SavedCheckpoint(tag_dir, read_manifest(tag_dir))   # DeepSpeed's files too
     error, client_state, t0 = None, None, time.perf_counter()
     try:
         check_compatible(saved, layout(engine))
