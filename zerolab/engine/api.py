@@ -70,10 +70,12 @@ class EngineAPI:
             raise NotImplementedError(f"{what} under {mesh}: checkpoints of a TP/PP-split model are not implemented "
                                       f"yet (every DP group would write the same files); use zerolab.parallel.gather_3d")
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False) -> str:
-        """Collective: save to ``save_dir/<tag>`` (default ``global_step{N}``), atomically (checkpoint/save.py)."""
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False,
+                        format="zerolab") -> str:
+        """Collective: save to ``save_dir/<tag>`` (default ``global_step{N}``), atomically (checkpoint/save.py);
+        ``format="deepspeed"``: DeepSpeed's ZeRO files (checkpoint/ds_save.py)."""
         self._whole_model_only("save_checkpoint")
-        return save_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters)
+        return save_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters, format)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), at any world size and stage;

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from zerolab.engine.checkpoint.ds_save import optimizer_record, save_deepspeed
 from zerolab.engine.checkpoint.files import (FORMAT, LATEST, MODEL_STATES, VERSION, CheckpointError, dumps, fsync_dir,
                                           model_file, optim_file, resolve_tag, write_checked, write_text_atomic)
 from zerolab.engine.checkpoint.state import frozen_ids, frozen_pieces, gather_state_dict, layout, owned_start, read_owned, schedule_position, state_keys
@@ -91,7 +92,8 @@ def engine_record(engine) -> dict:
             "gradient_accumulation_steps": engine.gas, "global_steps": engine.global_steps,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
             "optimizer": {"type": opt.kind, "step_count": opt.step_count,
-                          "skipped": dict(getattr(opt, "math", opt).skipped)},   # steps a parameter sat out
+                          "skipped": dict(getattr(opt, "math", opt).skipped),   # steps a parameter sat out
+                          "hyper": optimizer_record(engine)},   # what DeepSpeed's files need (ds_save.py)
             "offload_optimizer": engine.config.zero.offload_optimizer.device,
             "scheduler": None if sched is None else {"type": type(getattr(sched, "schedule", sched)).__name__,
                                                      "position": schedule_position(engine)},
@@ -138,8 +140,12 @@ def _parts(engine, client_state, exclude_frozen):
         yield MODEL_STATES, {**head, **top}
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False) -> str:
-    """Collective: write the engine's state to ``save_dir/<tag>`` (default ``global_step{N}``); returns the path."""
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False,
+                    format="zerolab") -> str:
+    """Collective: write the engine's state to ``save_dir/<tag>`` (default ``global_step{N}``); returns the path.
+    ``format="deepspeed"``: DeepSpeed's ZeRO files instead, which DeepSpeed's load_checkpoint resumes from."""
+    if format != "zerolab":
+        return save_deepspeed(engine, save_dir, tag, client_state, exclude_frozen_parameters, format)
     _check_boundary(engine)
     _check_plain(client_state or {})
     t0 = time.perf_counter()
