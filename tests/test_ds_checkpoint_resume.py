@@ -168,3 +168,40 @@ def test_load_deepspeeds_fixture(tmp_path, name, stage, world):
         assert set(want) == set(saved.index)
         for n, v in want.items():
             assert torch.equal(saved.param(n, key).view(v.shape), v), f"{n}: {key} differs"
+
+
+# ---------------------------------------------------------------- with DeepSpeed: both ways, continued training
+LIVE = [(1, "fp32"), (2, "bf16"), (3, "fp32"),
+        pytest.param(1, "bf16", marks=pytest.mark.slow), pytest.param(2, "fp32", marks=pytest.mark.slow),
+        pytest.param(3, "bf16", marks=pytest.mark.slow)]
+TOLERANCE = 1e-6   # fp32 master weights after M steps (the two sides' gradients differ in float rounding only)
+
+
+def run_deepspeed(work: Path, stage: int, dtype: str, world: int = 2) -> None:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(TESTS / "ds_resume_run.py"), str(work), str(stage), str(world), dtype,
+                        str(K), str(M)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("stage, dtype", LIVE)
+def test_resume_both_ways_with_deepspeed(tmp_path, stage, dtype):
+    """zerolab trains K steps and saves DeepSpeed's files; DeepSpeed trains K steps and saves its own.
+    DeepSpeed loads zerolab's and trains M steps: it must reach zerolab's own M steps; zerolab loads
+    DeepSpeed's and trains M steps: it must reach DeepSpeed's own M steps (weights, losses, counters)."""
+    ours = zl.launch(zl_rank, world_size=2, args=(str(tmp_path), stage, dtype, "save"))
+    run_deepspeed(tmp_path, stage, dtype)
+    resumed = zl.launch(zl_rank, world_size=2, args=(str(tmp_path), stage, dtype, "load", str(tmp_path / "ds")))
+    ds_after = ds_merge.deepspeed_fp32_state_dict(tmp_path / "ds_after")
+    zl_then_ds = ds_merge.deepspeed_fp32_state_dict(tmp_path / "zl_then_ds")
+    for r in range(2):
+        theirs = torch.load(tmp_path / f"ds_losses.rank{r}.pt", weights_only=True)
+        assert theirs["B_steps"] == K
+        assert max(abs(a - b) for a, b in zip(theirs["B"], ours[r][0][K:])) < 1e-5, "DeepSpeed after zerolab's save"
+        assert max(abs(a - b) for a, b in zip(resumed[r][0], theirs["A"][K:])) < 1e-5, "zerolab after DeepSpeed's"
+    assert resumed[0][2] == K
+    d1, d2 = max_diff(zl_then_ds, ours[0][1]), max_diff(resumed[0][1], ds_after)
+    print(f"stage {stage} {dtype}: max |DeepSpeed resumed from zerolab - zerolab| = {d1:.3g}; "
+          f"max |zerolab resumed from DeepSpeed - DeepSpeed| = {d2:.3g}")
+    assert d1 < TOLERANCE and d2 < TOLERANCE
