@@ -78,6 +78,8 @@ class DeepSpeedSaved(SavedCheckpoint):
         self.frozen_fragments = [load_restricted(m).get("frozen_param_fragments") or {} for m in models] \
             if stage == 3 else []
         groups, step = _moments(first, stage)
+        inner = first.get("base_optimizer_state" if stage <= 2 else "optimizer_state_dict")
+        self.param_group = dict(inner["param_groups"][0]) if isinstance(inner, dict) else {}
         keys = ["fp32"] + [k for k in ("exp_avg", "exp_avg_sq") if k in groups[0]]
         self.group_sizes = [t.numel() for t in first["single_partition_of_fp32_groups" if stage <= 2
                                                      else "fp32_flat_groups"]]
@@ -127,12 +129,18 @@ class DeepSpeedSaved(SavedCheckpoint):
         position = None
         if isinstance(sched, dict) and "last_batch_iteration" in sched:
             position = int(sched["last_batch_iteration"]) + 1
-        opt = (cfg.get("optimizer") or {}).get("type", "AdamW").lower()
+        pg = self.param_group
+        opt = (cfg.get("optimizer") or {}).get("type") or ("AdamW" if pg.get("decoupled_weight_decay", True)
+                                                           else "Adam")
+        opt = opt.lower()
+        hyper = {"lr": float(pg["lr"]), "weight_decay": float(pg.get("weight_decay", 0.0)),
+                 "betas": [float(b) for b in pg.get("betas", (0.9, 0.999))], "eps": float(pg.get("eps", 1e-8))} \
+            if "lr" in pg else None   # torch's param_groups: the next step's lr; what ds_save writes back
         return {"stage": stage, "world_size": world, "precision": precision,
                 "compute_dtype": "bfloat16" if enabled("bf16") else "float16" if enabled("fp16") else "float32",
                 "gradient_accumulation_steps": gas, "global_steps": int(sd["global_steps"]),
                 "micro_steps": int(sd["global_steps"]) * gas, "skipped_steps": int(sd.get("skipped_steps") or 0),
-                "optimizer": {"type": opt, "step_count": step, "skipped": {}},
+                "optimizer": {"type": opt, "step_count": step, "skipped": {}, "hyper": hyper},
                 "scheduler": None if position is None else {"type": "deepspeed", "position": position},
                 "loss_scaler": None, "source": "deepspeed", "ds_version": sd.get("ds_version")}
 

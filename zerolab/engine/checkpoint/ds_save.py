@@ -106,10 +106,13 @@ class DeepSpeedLayout:
 
 
 @contextmanager
-def _loss_scaler_class():
+def _loss_scaler_class(needed: bool = True):
     """DeepSpeed's ``LossScaler`` class to pickle: the real one when DeepSpeed imports, else a stand-in
     registered under the same module path while the file is written (what is pickled is the name and
     the fields cur_scale and dynamic, exactly as DeepSpeed pickles it)."""
+    if not needed:   # stages 1-2 leave the loss scaler out (DeepSpeed's loader keeps its own)
+        yield None
+        return
     try:
         from deepspeed.runtime.fp16.loss_scaler import LossScaler
         yield LossScaler
@@ -119,18 +122,24 @@ def _loss_scaler_class():
     mod_name, _, cls_name = LOSS_SCALER.rpartition(".")
     cls = type(cls_name, (), {"__module__": mod_name})
     parts = mod_name.split(".")
-    added = []
+    saved = {}   # what sys.modules held under those names (absent, or None: "cannot be imported")
     for i in range(1, len(parts) + 1):
         name = ".".join(parts[:i])
-        if name not in sys.modules:
+        if sys.modules.get(name) is None:
+            saved[name] = sys.modules.get(name, _ABSENT)
             sys.modules[name] = types.ModuleType(name)
-            added.append(name)
     setattr(sys.modules[mod_name], cls_name, cls)
     try:
         yield lambda scale=1.0: _fields(cls(), cur_scale=float(scale), dynamic=False)
     finally:
-        for name in added:
-            sys.modules.pop(name, None)
+        for name, old in saved.items():
+            if old is _ABSENT:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+
+
+_ABSENT = object()
 
 
 def _fields(obj, **kw):
@@ -229,10 +238,10 @@ def write_deepspeed(saved, dst_dir, tag: str, ranks=None, **kw) -> str:
     """Write DeepSpeed's files of ``ranks`` (default: all) into ``dst_dir/tag``; rank 0's caller writes ``latest``."""
     world = kw.get("world") or saved.world_size
     out = os.path.join(os.fspath(dst_dir), tag)
-    os.makedirs(out, exist_ok=True)
-    with _loss_scaler_class() as scaler:
+    with _loss_scaler_class(needed=(kw.get("stage") or saved.engine["stage"]) == 3) as scaler:
         for r in (range(world) if ranks is None else ranks):
             for name, obj in deepspeed_parts(saved, r, loss_scaler_cls=scaler, **kw):
+                os.makedirs(out, exist_ok=True)   # only once the first file is ready: a refusal leaves nothing
                 write_checked(obj, os.path.join(out, name))
     return out
 
