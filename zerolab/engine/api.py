@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from zerolab.engine.bigmodel.load import load_state_dict
+from zerolab.engine.checkpoint.ds_engine import save_deepspeed
 from zerolab.engine.checkpoint.load import load_checkpoint
 from zerolab.engine.checkpoint.save import save_16bit_model, save_checkpoint
 from zerolab.engine.checkpoint.state import consolidated_state_dict
@@ -75,7 +76,9 @@ class EngineAPI:
         """Collective: save to ``save_dir/<tag>`` (default ``global_step{N}``), atomically (checkpoint/save.py);
         ``format="deepspeed"``: DeepSpeed's ZeRO files (checkpoint/ds_save.py)."""
         self._whole_model_only("save_checkpoint")
-        return save_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters, format)
+        if format != "zerolab":
+            return save_deepspeed(self, save_dir, tag, client_state, exclude_frozen_parameters, format)
+        return save_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), at any world size and stage;

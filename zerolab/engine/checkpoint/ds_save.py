@@ -19,14 +19,13 @@ hyper-parameters and the learning rate of the next step, which DeepSpeed's
 loader installs); the scheduler's step becomes ``lr_scheduler.last_batch_iteration``
 (position - 1). What is not written: an fp16 loss scale (fp16 is refused),
 several parameter groups or sub-groups, pipeline/tensor-parallel ranks.
-``save_deepspeed(engine, ...)`` is ``engine.save_checkpoint(..., format="deepspeed")``:
-a zerolab save into a hidden folder, then each rank's DeepSpeed files from it.
+``engine.save_checkpoint(..., format="deepspeed")`` (``ds_engine.py``) is a zerolab save
+into a hidden folder, then each rank's DeepSpeed files from it.
 """
 from __future__ import annotations
 
 import math
 import os
-import shutil
 import sys
 import types
 from collections import OrderedDict
@@ -34,7 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
-from zerolab.engine.checkpoint.files import LATEST, CheckpointError, optim_file, write_checked, write_text_atomic
+from zerolab.engine.checkpoint.files import CheckpointError, optim_file, write_checked
 
 DS_VERSION = "0.19.8"        # the DeepSpeed whose layout these files follow (its loader checks the version)
 LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
@@ -243,30 +242,4 @@ def write_deepspeed(saved, dst_dir, tag: str, ranks=None, **kw) -> str:
             for name, obj in deepspeed_parts(saved, r, loss_scaler_cls=scaler, **kw):
                 os.makedirs(out, exist_ok=True)   # only once the first file is ready: a refusal leaves nothing
                 write_checked(obj, os.path.join(out, name))
-    return out
-
-
-def save_deepspeed(engine, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False,
-                   format="deepspeed") -> str:
-    """Collective: ``engine.save_checkpoint(save_dir, tag, format="deepspeed")``: DeepSpeed's files and ``latest``."""
-    if format != "deepspeed":
-        raise ValueError(f"save_checkpoint(format={format!r}): use 'zerolab' (the default) or 'deepspeed'")
-    from zerolab.engine.checkpoint.reshard import SavedCheckpoint
-    from zerolab.engine.checkpoint.files import read_manifest
-    from zerolab.engine.checkpoint.save import agree, save_checkpoint
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    hidden = os.path.join(os.fspath(save_dir), f".{tag}.zerolab")
-    path = save_checkpoint(engine, hidden, tag, client_state, exclude_frozen_parameters)
-    error = None
-    try:
-        saved = SavedCheckpoint(path, read_manifest(path))
-        out = write_deepspeed(saved, save_dir, tag, ranks=[engine.rank], hyper=optimizer_record(engine))
-        saved.close()
-    except Exception as e:  # noqa: BLE001 - every rank must hear of it
-        error = e
-    agree(engine, error, "save_checkpoint(format='deepspeed')")
-    if engine.rank == 0:
-        shutil.rmtree(hidden, ignore_errors=True)
-        write_text_atomic(os.path.join(os.fspath(save_dir), LATEST), tag + "\n")
-    agree(engine, None, "save_checkpoint(format='deepspeed')")
     return out

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from zerolab.engine.checkpoint.ds_save import optimizer_record, save_deepspeed
+from zerolab.engine.checkpoint.ds_save import optimizer_record
 from zerolab.engine.checkpoint.files import (FORMAT, LATEST, MODEL_STATES, VERSION, CheckpointError, dumps, fsync_dir,
                                           model_file, optim_file, resolve_tag, write_checked, write_text_atomic)
 from zerolab.engine.checkpoint.state import frozen_ids, frozen_pieces, gather_state_dict, layout, owned_start, read_owned, schedule_position, state_keys
@@ -140,12 +140,8 @@ def _parts(engine, client_state, exclude_frozen):
         yield MODEL_STATES, {**head, **top}
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False,
-                    format="zerolab") -> str:
-    """Collective: write the engine's state to ``save_dir/<tag>`` (default ``global_step{N}``); returns the path.
-    ``format="deepspeed"``: DeepSpeed's ZeRO files instead, which DeepSpeed's load_checkpoint resumes from."""
-    if format != "zerolab":
-        return save_deepspeed(engine, save_dir, tag, client_state, exclude_frozen_parameters, format)
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False) -> str:
+    """Collective: write the engine's state to ``save_dir/<tag>`` (default ``global_step{N}``); returns the path."""
     _check_boundary(engine)
     _check_plain(client_state or {})
     t0 = time.perf_counter()
