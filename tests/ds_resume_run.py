@@ -7,7 +7,8 @@ Each rank (``torch.multiprocessing.spawn``):
      parameter, a buffer) from seed 0, trains K steps, ``save_checkpoint(WORK/ds, "k")``, trains M more
      steps and saves ``WORK/ds_after`` (tag "km"): what zerolab must reach after loading ``WORK/ds``;
   B. if ``WORK/zl`` exists (zerolab's ``save_checkpoint(..., format="deepspeed")``): builds the model
-     from another seed, ``load_checkpoint(WORK/zl)``, trains M steps and saves ``WORK/zl_then_ds``.
+     from another seed, ``load_checkpoint(WORK/zl)``, saves what it loaded to ``WORK/zl_loaded``,
+     trains M steps and saves ``WORK/zl_then_ds``.
 Each rank writes its losses to ``WORK/ds_losses.rank{r}.pt``. The batches, the config and the loss are
 ``batch``, ``config`` and ``loss`` below, which the zerolab half imports.
 """
@@ -87,6 +88,7 @@ def rank_main(rank, work, stage, world, dtype, k, m, port):
         path, _ = b.load_checkpoint(str(work / "zl"))
         assert path is not None, "DeepSpeed found no checkpoint in WORK/zl"
         losses["B_steps"] = b.global_steps
+        b.save_checkpoint(str(work / "zl_loaded"), tag="k")   # what DeepSpeed holds right after loading
         losses["B"] = _train(b, rank, k, m)
         b.save_checkpoint(str(work / "zl_then_ds"), tag="km")
     torch.save(losses, work / f"ds_losses.rank{rank}.pt")

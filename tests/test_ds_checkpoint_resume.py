@@ -134,15 +134,19 @@ def fixture_rank(name, stage, out):
 
 
 def ds_moments(name: str, key: str) -> dict:
-    """{parameter: DeepSpeed's Adam moment ``key``} merged from the fixture's rank files by ds_merge's
-    partition arithmetic (the one that reproduces DeepSpeed's zero_to_fp32), independently of ds_load."""
+    return ds_state(FIXTURES / name / "global_step2", key)
+
+
+def ds_state(tag: Path, key: str) -> dict:
+    """{parameter: DeepSpeed's fp32 value or Adam moment ``key``} merged from a tag folder's rank files by
+    ds_merge's partition arithmetic (the one that reproduces DeepSpeed's zero_to_fp32), independently of ds_load."""
     from zerolab.engine.checkpoint.ds_files import checkpoint_files, read_model_states
-    tag = FIXTURES / name / "global_step2"
     models, optims = checkpoint_files(tag)
     osds = [load_restricted(f)["optimizer_state_dict"] for f in optims]
     stage, world = int(osds[0]["zero_stage"]), len(optims)
     inner = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
-    parts = [[o[inner]["state"][0][key]] for o in osds]
+    fp32 = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
+    parts = [o[fp32] if key == "fp32" else [o[inner]["state"][0][key]] for o in osds]
     shapes = read_model_states(models[:1])[0]["param_shapes"]
     out = {}
     if stage <= 2:
@@ -177,7 +181,12 @@ def test_load_deepspeeds_fixture(tmp_path, name, stage, world):
 LIVE = [(1, "fp32"), (2, "bf16"), (3, "fp32"),
         pytest.param(1, "bf16", marks=pytest.mark.slow), pytest.param(2, "fp32", marks=pytest.mark.slow),
         pytest.param(3, "bf16", marks=pytest.mark.slow)]
-TOLERANCE = 1e-6   # fp32 master weights after M steps (the two sides' gradients differ in float rounding only)
+# fp32 master weights after M steps: the two sides' gradients differ in float rounding only, except at
+# stage 3 in bf16, where DeepSpeed's forward itself differs from torch's (its ZeRO-3 linear: measured, a
+# bf16 model holding DeepSpeed's own merged weights computes zerolab's loss, not DeepSpeed's); the exact
+# check there is what DeepSpeed holds right after loading (test below: equal, bit for bit)
+TOLERANCE = {"fp32": 1e-6, "bf16": 1e-6, (3, "bf16"): 2e-2}
+LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-5, (3, "bf16"): 2e-2}
 
 
 def run_deepspeed(work: Path, stage: int, dtype: str, world: int = 2) -> None:
@@ -198,16 +207,22 @@ def test_resume_both_ways_with_deepspeed(tmp_path, stage, dtype):
     resumed = zl.launch(zl_rank, world_size=2, args=(str(tmp_path), stage, dtype, "load", str(tmp_path / "ds")))
     ds_after = ds_merge.deepspeed_fp32_state_dict(tmp_path / "ds_after")
     zl_then_ds = ds_merge.deepspeed_fp32_state_dict(tmp_path / "zl_then_ds")
+    # what DeepSpeed holds right after loading zerolab's files: the fp32 weights and both moments, exactly
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        want, got = ds_state(tmp_path / "zl" / "k", key), ds_state(tmp_path / "zl_loaded" / "k", key)
+        assert set(want) == set(got) and all(torch.equal(got[n], want[n]) for n in want), f"DeepSpeed's {key}"
+    tol, loss_tol = TOLERANCE.get((stage, dtype), TOLERANCE[dtype]), LOSS_TOLERANCE.get((stage, dtype),
+                                                                                       LOSS_TOLERANCE[dtype])
     for r in range(2):
         theirs = torch.load(tmp_path / f"ds_losses.rank{r}.pt", weights_only=True)
         assert theirs["B_steps"] == K
-        assert max(abs(a - b) for a, b in zip(theirs["B"], ours[r][0][K:])) < 1e-5, "DeepSpeed after zerolab's save"
-        assert max(abs(a - b) for a, b in zip(resumed[r][0], theirs["A"][K:])) < 1e-5, "zerolab after DeepSpeed's"
+        assert max(abs(a - b) for a, b in zip(theirs["B"], ours[r][0][K:])) < loss_tol, "DeepSpeed after our save"
+        assert max(abs(a - b) for a, b in zip(resumed[r][0], theirs["A"][K:])) < loss_tol, "zerolab after DeepSpeed's"
     assert resumed[0][2] == K
     d1, d2 = max_diff(zl_then_ds, ours[0][1]), max_diff(resumed[0][1], ds_after)
     print(f"stage {stage} {dtype}: max |DeepSpeed resumed from zerolab - zerolab| = {d1:.3g}; "
           f"max |zerolab resumed from DeepSpeed - DeepSpeed| = {d2:.3g}")
-    assert d1 < TOLERANCE and d2 < TOLERANCE
+    assert d1 < tol and d2 < tol
 
 
 # ---------------------------------------------------------------- always: the converter, both ways
