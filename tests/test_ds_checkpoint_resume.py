@@ -174,6 +174,11 @@ def test_load_deepspeeds_fixture(tmp_path, name, stage, world):
             assert torch.equal(saved.param(n, key).view(v.shape), v), f"{n}: {key} differs"
 
 
+def resumed_k(work: Path) -> dict:
+    """zerolab's fp32 weights after K steps, read back from its DeepSpeed files by zerolab's own reader."""
+    return {k: v for k, v in ds_merge.deepspeed_fp32_state_dict(work / "zl").items() if k != "scale"}
+
+
 # ---------------------------------------------------------------- with DeepSpeed: both ways, continued training
 LIVE = [(1, "fp32"), (2, "bf16"), (3, "fp32"),
         pytest.param(1, "bf16", marks=pytest.mark.slow), pytest.param(2, "fp32", marks=pytest.mark.slow),
@@ -204,6 +209,9 @@ def test_resume_both_ways_with_deepspeed(tmp_path, stage, dtype):
     resumed = zl.launch(zl_rank, world_size=2, args=(str(tmp_path), stage, dtype, "load", str(tmp_path / "ds")))
     ds_after = ds_merge.deepspeed_fp32_state_dict(tmp_path / "ds_after")
     zl_then_ds = ds_merge.deepspeed_fp32_state_dict(tmp_path / "zl_then_ds")
+    # DeepSpeed's own offline reader (zero_to_fp32) on zerolab's files: the weights after K steps, exactly
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    assert max_diff(get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "zl")), resumed_k(tmp_path)) == 0.0
     # what DeepSpeed holds right after loading zerolab's files: the fp32 weights and both moments, exactly
     for key in ("fp32", "exp_avg", "exp_avg_sq"):
         want, got = ds_state(tmp_path / "zl" / "k", key), ds_state(tmp_path / "zl_loaded" / "k", key)
