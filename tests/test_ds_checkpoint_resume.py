@@ -228,3 +228,27 @@ def test_resume_both_ways_with_deepspeed(tmp_path, stage, dtype):
     print(f"stage {stage} {dtype}: max |DeepSpeed resumed from zerolab - zerolab| = {d1:.3g}; "
           f"max |zerolab resumed from DeepSpeed - DeepSpeed| = {d2:.3g}")
     assert d1 < tol and d2 < tol
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_load_deepspeeds_universal_checkpoint(tmp_path, stage):
+    """DeepSpeed's checkpoint after K steps, rewritten by its ds_to_universal.py (zero/<param>/fp32.pt,
+    exp_avg.pt, exp_avg_sq.pt, latest_universal): zerolab's M steps after loading it reach DeepSpeed's own
+    M steps on 2 ranks; on 3 ranks (resharded) the first loss after loading is DeepSpeed's."""
+    run_deepspeed(tmp_path, stage, "fp32")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                        str(tmp_path / "ds" / "k"), "--output_folder", str(tmp_path / "uni" / "k_universal"),
+                        "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (tmp_path / "uni" / "latest").exists() and (tmp_path / "uni" / "latest_universal").exists()
+    theirs = torch.load(tmp_path / "ds_losses.rank0.pt", weights_only=True)["A"][K:]
+    two = zl.launch(zl_rank, world_size=2, args=(str(tmp_path), stage, "fp32", "load", str(tmp_path / "uni")))
+    assert two[0][2] == K and max(abs(a - b) for a, b in zip(two[0][0], theirs)) < 1e-5
+    d = max_diff(two[0][1], ds_merge.deepspeed_fp32_state_dict(tmp_path / "ds_after"))
+    print(f"stage {stage} universal: max |zerolab resumed - DeepSpeed| = {d:.3g}")
+    assert d < 1e-6
+    three = zl.launch(zl_rank, world_size=3, args=(str(tmp_path), stage, "fp32", "load", str(tmp_path / "uni")))
+    assert abs(three[0][0][0] - theirs[0]) < 1e-5

@@ -123,7 +123,8 @@ class DeepSpeedSaved(SavedCheckpoint):
     def _engine(self, stage: int, world: int, step: int) -> dict:
         sd, cfg = self.model_sd, self.model_sd.get("ds_config") or {}
         enabled = lambda k: bool((cfg.get(k) or {}).get("enabled"))   # noqa: E731
-        precision = "mixed" if enabled("bf16") or enabled("fp16") or "bf16_" in self.optim_paths[0].name else "fp32"
+        precision = "mixed" if enabled("bf16") or enabled("fp16") or any("bf16_" in p.name for p in self.optim_paths[:1]) \
+            else "fp32"
         gas = int(cfg.get("gradient_accumulation_steps") or 1)
         sched = sd.get("lr_scheduler")
         position = None
@@ -185,10 +186,3 @@ class DeepSpeedSaved(SavedCheckpoint):
             out[key] = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         return out
 
-
-def open_deepspeed(tag_dir) -> DeepSpeedSaved | None:
-    """The tag folder read as zerolab's when DeepSpeed wrote it (no manifest, DeepSpeed's model states), else None."""
-    from zerolab.engine.checkpoint.ds_files import is_deepspeed_checkpoint
-    if (Path(tag_dir) / "manifest.json").exists() or not is_deepspeed_checkpoint(tag_dir):
-        return None
-    return DeepSpeedSaved(tag_dir)
