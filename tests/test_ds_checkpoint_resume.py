@@ -103,6 +103,7 @@ def test_written_files_have_deepspeeds_keys_and_shapes_and_resume(tmp_path, stag
     res = zl.launch(zl_rank, world_size=2, args=(str(tmp_path), stage, "bf16", "save"))
     tag = tmp_path / "zl" / "k"
     assert (tmp_path / "zl" / "latest").read_text().strip() == "k"
+    assert sorted(p.name for p in (tmp_path / "zl").iterdir()) == ["k", "latest"], "hidden folders left behind"
     ours = sorted(p.name for p in tag.iterdir())
     theirs = sorted(p.name for p in (FIXTURES / f"stage{stage}" / "global_step2").iterdir())
     assert ours == theirs
@@ -252,3 +253,11 @@ def test_load_deepspeeds_universal_checkpoint(tmp_path, stage):
     assert d < 1e-6
     three = zl.launch(zl_rank, world_size=3, args=(str(tmp_path), stage, "fp32", "load", str(tmp_path / "uni")))
     assert abs(three[0][0][0] - theirs[0]) < 1e-5
+
+
+def test_unknown_format_is_refused_by_name(tmp_path):
+    torch.manual_seed(0)
+    engine = zl.initialize(run.Tiny(), zl_config(1, "fp32"))
+    with pytest.raises(ValueError, match="format='megatron'.*'zerolab'.*'deepspeed'"):
+        engine.save_checkpoint(tmp_path, format="megatron")
+    assert not any(tmp_path.iterdir())

@@ -2,9 +2,10 @@
 
 A zerolab save (atomic, checked) into the hidden folder ``dir/.<tag>.zerolab``;
 then every rank builds *its own* DeepSpeed files from it (``ds_save.py``:
-its partition of DeepSpeed's layout, read from the shards it needs); the
-ranks agree that all succeeded; rank 0 removes the hidden folder and writes
-``latest``. A keyword rather than a config key: the format is chosen per
+its partition of DeepSpeed's layout, read from the shards it needs) into
+``dir/.<tag>.ds.tmp``; the ranks agree that all succeeded; rank 0 removes the
+hidden folder, puts the tag folder in place in one rename and writes ``latest``
+(a failed save leaves an earlier checkpoint of that tag, and ``latest``, as they were). A keyword rather than a config key: the format is chosen per
 save (one run can write both), and a DeepSpeed JSON stays the same for both.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import shutil
 
 from zerolab.engine.checkpoint.ds_save import optimizer_record, write_deepspeed
-from zerolab.engine.checkpoint.files import LATEST, read_manifest, write_text_atomic
+from zerolab.engine.checkpoint.files import LATEST, read_manifest, replace_dir, write_text_atomic
 from zerolab.engine.checkpoint.reshard import SavedCheckpoint
 from zerolab.engine.checkpoint.save import agree, save_checkpoint
 
@@ -24,18 +25,29 @@ def save_deepspeed(engine, save_dir, tag=None, client_state=None, exclude_frozen
     if format != "deepspeed":
         raise ValueError(f"save_checkpoint(format={format!r}): use 'zerolab' (the default) or 'deepspeed'")
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    hidden = os.path.join(os.fspath(save_dir), f".{tag}.zerolab")
+    root = os.fspath(save_dir)
+    hidden, tmp = os.path.join(root, f".{tag}.zerolab"), f".{tag}.ds.tmp"
+    if engine.rank == 0:   # a save of this tag that died earlier (the zerolab save below is collective)
+        shutil.rmtree(os.path.join(root, tmp), ignore_errors=True)
     path = save_checkpoint(engine, hidden, tag, client_state, exclude_frozen_parameters)
     error = None
     try:
         saved = SavedCheckpoint(path, read_manifest(path))
-        out = write_deepspeed(saved, save_dir, tag, ranks=[engine.rank], hyper=optimizer_record(engine))
+        write_deepspeed(saved, root, tmp, ranks=[engine.rank], hyper=optimizer_record(engine))
         saved.close()
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         error = e
+    try:
+        agree(engine, error, "save_checkpoint(format='deepspeed')")
+    finally:
+        if engine.rank == 0:
+            shutil.rmtree(hidden, ignore_errors=True)
+    error, final = None, os.path.join(root, tag)
+    if engine.rank == 0:   # the whole tag folder appears at once, then `latest` names it
+        try:
+            replace_dir(os.path.join(root, tmp), final)
+            write_text_atomic(os.path.join(root, LATEST), tag + "\n")
+        except OSError as e:
+            error = e
     agree(engine, error, "save_checkpoint(format='deepspeed')")
-    if engine.rank == 0:
-        shutil.rmtree(hidden, ignore_errors=True)
-        write_text_atomic(os.path.join(os.fspath(save_dir), LATEST), tag + "\n")
-    agree(engine, None, "save_checkpoint(format='deepspeed')")
-    return out
+    return final
