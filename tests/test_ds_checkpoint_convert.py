@@ -159,3 +159,20 @@ if __name__ == "__main__":   # rewrite the table in docs/CHECKPOINTS.md
     head, rest = text.split(BEGIN, 1)
     DOC.write_text(f"{head}{BEGIN}\n{key_table()}\n{END}{rest.split(END, 1)[1]}")
     print(f"updated {DOC}")
+
+
+@pytest.mark.parametrize("name, stage, world", [("stage3_world3", 1, 2), ("stage1", 3, 3)])
+def test_convert_to_another_stage_and_world_size(tmp_path, name, stage, world):
+    """--stage/--world: DeepSpeed's files for another layout hold the same fp32 weights and moments."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_ds_checkpoint_resume import ds_state
+    from zerolab.cli import main
+    assert main(["convert", str(FIXTURES / name), str(tmp_path / "zl"), "--to", "zerolab"]) == 0
+    assert main(["convert", str(tmp_path / "zl"), str(tmp_path / "ds"), "--to", "deepspeed",
+                 "--stage", str(stage), "--world", str(world)]) == 0
+    out = tmp_path / "ds" / "global_step2"
+    assert len(list(out.glob("*_optim_states.pt"))) == world
+    assert int(load_restricted(next(out.glob("*rank_0*optim_states.pt")))["optimizer_state_dict"]["zero_stage"]) == stage
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        want, got = ds_state(FIXTURES / name / "global_step2", key), ds_state(out, key)
+        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), key
