@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from zerolab.engine.bigmodel.load import load_state_dict
+from zerolab.engine.checkpoint.ds_engine import save_deepspeed
 from zerolab.engine.checkpoint.load import load_checkpoint
 from zerolab.engine.checkpoint.mesh import (is_mesh_checkpoint, load_mesh_checkpoint, save_16bit_mesh,
                                            save_mesh_checkpoint)
@@ -80,9 +81,15 @@ class EngineAPI:
         return consolidated_state_dict(self, rank0_only)
 
     # ---------------------------------------------------------------- checkpoints (chapter 8)
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False) -> str:
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False,
+                        format="zerolab") -> str:
         """Collective: save to ``save_dir/<tag>`` (default ``global_step{N}``), atomically (checkpoint/save.py;
-        under a 3D mesh, one folder per (tp, pp) coordinate and ``mesh.json``: checkpoint/mesh.py)."""
+        under a 3D mesh, one folder per (tp, pp) coordinate and ``mesh.json``: checkpoint/mesh.py);
+        ``format="deepspeed"``: DeepSpeed's ZeRO files (checkpoint/ds_engine.py; not under a 3D mesh)."""
+        if format != "zerolab":
+            if is_3d(self):
+                raise NotImplementedError(f"save_checkpoint(format={format!r}) under a 3D mesh: zerolab's only")
+            return save_deepspeed(self, save_dir, tag, client_state, exclude_frozen_parameters, format)
         if is_3d(self):
             return save_mesh_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters)
         return save_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters)

@@ -11,6 +11,11 @@
     mesh_state.py   the whole model's state under a mesh: the model's description, full_state_dict over TP/PP/DP
     ds_files.py     DeepSpeed's own checkpoint files, found and unpickled safely
     ds_merge.py     DeepSpeed's fp32 partitions merged into whole weights
+    ds_load.py      DeepSpeed's ZeRO files seen as a zerolab checkpoint: what load_checkpoint resumes from
+    ds_universal.py DeepSpeed's universal checkpoint (zero/<param>/fp32.pt ...) seen the same way
+    ds_save.py      a zerolab checkpoint written as DeepSpeed's ZeRO-1/2/3 files
+    ds_engine.py    ``engine.save_checkpoint(..., format="deepspeed")``
+    ds_convert.py   ``python -m zerolab convert SRC DST --to deepspeed|zerolab``
 
 The format is docs/CHECKPOINTS.md.
 """
