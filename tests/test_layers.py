@@ -27,7 +27,7 @@ ALLOWED = {
     "book": {"theory", "config", "runtime", "engine"},
     "grading": {"theory", "config", "runtime", "engine", "book"},
     "bench": {"theory", "config", "runtime", "engine", "book"},
-    "deepspeed": {"theory", "config", "runtime", "engine"},
+    "deepspeed": {"theory", "config", "runtime", "parallel", "engine"},
     "top": {"theory", "config", "runtime", "engine", "parallel", "book", "grading", "bench", "deepspeed", "top"},
 }
 NO_TORCH = {"theory", "config"}

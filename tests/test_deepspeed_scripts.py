@@ -1,0 +1,157 @@
+"""The scripts in examples/deepspeed/ run unchanged under DeepSpeed and under ``zerolab.deepspeed`` (issue 26).
+
+Each script selects its ``deepspeed`` with one line (``DS_LIB``). Here each runs
+as a script on 2 gloo ranks (``torchrun``) under zerolab and, where DeepSpeed
+is installed, under DeepSpeed 0.19 on CPU; the two must agree on every loss,
+every final parameter and every reported gradient norm within float tolerance.
+Without DeepSpeed, zerolab's runs are checked against single-process
+training instead (the pipeline example), and the partition rules against
+tables worked out by hand from DeepSpeed's definitions.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerolab as zl
+from zerolab.deepspeed.pipe import balanced_parts, partition, uniform_parts
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "deepspeed"
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+SCRIPTS = ["train_mlp", "train_pipeline", "train_zero3"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(script: str, lib: str, tmp_path, world: int = 2) -> list[dict]:
+    """``DS_LIB=lib torchrun --nproc-per-node world examples/deepspeed/script.py --out ...``: each rank's result."""
+    out = tmp_path / f"{script}-{lib}"
+    env = {**os.environ, "DS_LIB": lib, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
+           str(_free_port()), str(ROOT / "tests" / "ds_example_runner.py"), str(EXAMPLES / f"{script}.py"),
+           "--out", str(out)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(world)]
+
+
+def assert_same_run(ours: list[dict], theirs: list[dict], atol: float = 1e-5):
+    for a, b in zip(ours, theirs):
+        worst = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+        assert len(a["losses"]) == len(b["losses"]) and worst <= atol, f"rank {a['rank']}: losses differ by {worst:.3g}"
+        assert a["params"].keys() == b["params"].keys(), (sorted(a["params"]), sorted(b["params"]))
+        worst = max((a["params"][n] - b["params"][n]).abs().max().item() for n in a["params"])
+        assert worst <= atol, f"rank {a['rank']}: parameters differ by {worst:.3g}"
+        for key in ("grad_norms", "grad_norm"):
+            if key in a:
+                assert a[key] == (b[key] if b[key] is None else pytest.approx(b[key], rel=1e-5)), key
+        for key in ("global_steps", "global_samples", "lr", "parts"):
+            if key in a:
+                assert a[key] == b[key], key
+        if "eval_loss" in a:
+            assert a["eval_loss"] == pytest.approx(b["eval_loss"], abs=atol)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_runs_the_same_under_deepspeed_and_zerolab(script, tmp_path):
+    assert_same_run(run(script, "zerolab", tmp_path), run(script, "deepspeed", tmp_path))
+
+
+# ---------------------------------------------------------------- zerolab alone (always runs)
+def _pipeline_rank():
+    sys.path.insert(0, str(EXAMPLES))
+    import train_pipeline
+    return train_pipeline.main([])
+
+
+def pipeline_reference(steps: int = 6):
+    """The pipeline example as plain single-process training: the same layers and seed, the
+    loader's order (no shuffling, one DP rank), 4 micro-batches averaged per AdamW step."""
+    sys.path.insert(0, str(EXAMPLES))
+    import train_pipeline as ex
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*ex.make_layers())
+    cfg = ex.CONFIG
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["optimizer"]["params"]["lr"], weight_decay=0.0)
+    x, y = ex.dataset().tensors
+    mbs, gas = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        rows = slice(step * mbs * gas, (step + 1) * mbs * gas)
+        loss = sum(torch.nn.functional.mse_loss(model(x[rows][i * mbs:(i + 1) * mbs]), y[rows][i * mbs:(i + 1) * mbs])
+                   for i in range(gas)) / gas
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_pipeline_example_trains_like_one_process():
+    results = zl.launch(_pipeline_rank, world_size=2, timeout=180, threads=1)
+    want_losses, want = pipeline_reference()
+    assert results[0]["parts"] == results[1]["parts"] == [0, 2, 6]   # "parameters": the 16x64 layer alone
+    for r in results:
+        assert r["losses"] == pytest.approx(want_losses, abs=1e-5)
+        assert r["global_samples"] == 6 * 16 and r["grad_norm"] is None   # ZeRO-0 fp32: None, as DeepSpeed
+    got = {**results[0]["params"], **results[1]["params"]}
+    assert sorted(got) == sorted(want)   # each stage holds its layers under their index in the list
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_zerolab_half_runs_as_a_script(tmp_path):
+    """No DeepSpeed needed: the ZeRO-3 example under torchrun, every rank the same model."""
+    results = run("train_zero3", "zerolab", tmp_path)
+    assert results[0]["global_steps"] == 8
+    for n in results[0]["params"]:
+        assert torch.equal(results[0]["params"][n], results[1]["params"][n])
+    assert all(v > 0 for v in results[0]["grad_norms"])
+
+
+# ---------------------------------------------------------------- DeepSpeed's partition rules
+def test_partition_methods_by_hand():
+    assert uniform_parts(6, 4) == [0, 2, 4, 5, 6]   # the first 6 % 4 stages one layer more
+    assert uniform_parts(2, 3) == [0, 1, 2, 2]      # fewer layers than stages: empty last stages
+    # min (heaviest - lightest): [10 | 1 1 1 1 5] costs 10 - 9 = 1; any other cut is worse
+    assert balanced_parts([10, 1, 1, 1, 1, 5], 2) == [0, 1, 6]
+    assert balanced_parts([1, 1, 1, 1], 2) == [0, 2, 4]
+    layers = [torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8), torch.nn.Tanh(),
+              torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)]
+    assert partition(layers, 2, "parameters") == [0, 2, 6]   # 1088 | 520 + 72 + 9: closest to even
+    assert partition(layers, 2, "uniform") == [0, 3, 6]
+    # one Tanh per stage: cutting after layer 1 or after layer 2 ties; DeepSpeed keeps the last cut found
+    assert partition(layers, 2, "type:tanh") == [0, 3, 6]
+    with pytest.raises(RuntimeError, match="'conv' found no valid layers"):
+        partition(layers, 2, "type:conv")
+    with pytest.raises(NotImplementedError, match="profile"):
+        partition(layers, 2, "profile")
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed")
+def test_partition_functions_equal_deepspeeds():
+    import random
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+    rng = random.Random(0)
+    for _ in range(300):
+        n, p = rng.randint(1, 9), rng.randint(1, 5)
+        w = [rng.choice([0, 1, 2, 5, 100, rng.randint(0, 1000)]) for _ in range(n)]
+        assert balanced_parts(w, p) == partition_balanced(w, p), (w, p)
+        assert uniform_parts(n, p) == partition_uniform(n, p), (n, p)
