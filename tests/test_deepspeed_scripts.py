@@ -79,9 +79,10 @@ def _pipeline_rank():
     return train_pipeline.main([])
 
 
-def pipeline_reference(steps: int = 6):
+def pipeline_reference(steps: int = 6, dp: int = 1):
     """The pipeline example as plain single-process training: the same layers and seed, the
-    loader's order (no shuffling, one DP rank), 4 micro-batches averaged per AdamW step."""
+    loader's order (no shuffling; DP rank r reads samples r, r + dp, ...), every DP rank's 4
+    micro-batches averaged per AdamW step."""
     sys.path.insert(0, str(EXAMPLES))
     import train_pipeline as ex
     torch.manual_seed(0)
@@ -93,9 +94,13 @@ def pipeline_reference(steps: int = 6):
     losses = []
     for step in range(steps):
         opt.zero_grad()
-        rows = slice(step * mbs * gas, (step + 1) * mbs * gas)
-        loss = sum(torch.nn.functional.mse_loss(model(x[rows][i * mbs:(i + 1) * mbs]), y[rows][i * mbs:(i + 1) * mbs])
-                   for i in range(gas)) / gas
+        loss = 0
+        for r in range(dp):
+            xr, yr = x[r::dp], y[r::dp]
+            per_epoch = len(xr) // mbs   # the loader restarts when it runs out (RepeatingLoader)
+            for k in range(step * gas, (step + 1) * gas):
+                rows = slice((k % per_epoch) * mbs, (k % per_epoch + 1) * mbs)
+                loss = loss + torch.nn.functional.mse_loss(model(xr[rows]), yr[rows]) / (gas * dp)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -114,6 +119,23 @@ def test_pipeline_example_trains_like_one_process():
     assert sorted(got) == sorted(want)   # each stage holds its layers under their index in the list
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_pipeline_example_on_dp2_pp2_trains_like_one_process():
+    """4 ranks: 2 stages x 2 data-parallel ranks; the loss train_batch returns is the mean over both."""
+    results = zl.launch(_pipeline_rank, world_size=4, timeout=300, threads=1)
+    want_losses, want = pipeline_reference(dp=2)
+    for r in results:
+        assert r["losses"] == pytest.approx(want_losses, abs=1e-5)
+        assert r["global_samples"] == 6 * 32
+    assert results[0]["eval_loss"] == pytest.approx(results[3]["eval_loss"], abs=1e-7)
+    got = {**results[0]["params"], **results[1]["params"]}   # zerolab's mesh: ranks 0, 1 = stages 0, 1 of DP rank 0
+    assert sorted(got) == sorted(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6)
+    for a, b in ((0, 2), (1, 3)):   # the other DP rank holds the same stage
+        assert all(torch.equal(results[a]["params"][n], results[b]["params"][n]) for n in results[a]["params"])
 
 
 @pytest.mark.slow
