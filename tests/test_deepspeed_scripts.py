@@ -72,6 +72,17 @@ def test_example_runs_the_same_under_deepspeed_and_zerolab(script, tmp_path):
     assert_same_run(run(script, "zerolab", tmp_path), run(script, "deepspeed", tmp_path))
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed")
+def test_pipeline_on_4_ranks_agrees_by_coordinates(tmp_path):
+    """dp=2 x pp=2: the same (stage, DP rank) trains the same way; the global ranks differ (zerolab's
+    mesh: rank = dp_rank x pp + stage; DeepSpeed's topology: rank = stage x dp + dp_rank)."""
+    ours, theirs = run("train_pipeline", "zerolab", tmp_path, world=4), run("train_pipeline", "deepspeed", tmp_path, world=4)
+    for dp in range(2):
+        for stage in range(2):
+            assert_same_run([ours[dp * 2 + stage]], [theirs[stage * 2 + dp]])
+
+
 # ---------------------------------------------------------------- zerolab alone (always runs)
 def _pipeline_rank():
     sys.path.insert(0, str(EXAMPLES))
