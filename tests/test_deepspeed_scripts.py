@@ -188,3 +188,66 @@ def test_partition_functions_equal_deepspeeds():
         w = [rng.choice([0, 1, 2, 5, 100, rng.randint(0, 1000)]) for _ in range(n)]
         assert balanced_parts(w, p) == partition_balanced(w, p), (w, p)
         assert uniform_parts(n, p) == partition_uniform(n, p), (n, p)
+
+
+# ---------------------------------------------------------------- PipelineModule's layer kinds and refusals (2 ranks)
+def _layer_kinds():
+    import zerolab.deepspeed as deepspeed
+    from zerolab.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    out = {}
+    torch.manual_seed(0)
+    built = []
+
+    class Counted(torch.nn.Linear):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            built.append(a)
+
+    layers = [TiedLayerSpec("emb", torch.nn.Linear, 4, 4), LayerSpec(Counted, 4, 6), lambda x: x.relu(),
+              LayerSpec(Counted, 6, 6), LayerSpec(Counted, 6, 1)]
+    model = PipelineModule(layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    out["names"] = sorted(n for n, _ in model.named_parameters())
+    out["built"] = list(built)   # "uniform" builds nothing to count: only this stage's LayerSpecs
+    out["parts"] = model.parts
+    engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2,
+                                                            "gradient_accumulation_steps": 1,   # fewer than stages
+                                                            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2, 4, generator=g), torch.randn(2, 1, generator=g)) for _ in range(3)]
+    out["loss"] = engine.train_batch(iter(data)).item()
+    out["eval"], out["logits"] = engine.eval_batch(iter(data), return_logits=True)
+    out["eval"] = out["eval"].item()
+    out["logits"] = None if out["logits"] is None else tuple(out["logits"].shape)
+    errors = []
+    for call in (lambda: engine(data[0][0]), lambda: PipelineModule(layers, num_stages=3),
+                 lambda: PipelineModule([TiedLayerSpec("t", torch.nn.Linear, 4, 4), torch.nn.ReLU(),
+                                         TiedLayerSpec("t", torch.nn.Linear, 4, 4)], num_stages=2,
+                                        partition_method="uniform"),
+                 lambda: PipelineModule(layers, num_stages=2, seed_layers=True),
+                 lambda: deepspeed.initialize(model=PipelineModule(layers, num_stages=2), config={
+                     "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                     "zero_optimization": {"stage": 2}})):
+        try:
+            call()
+            errors.append(None)
+        except Exception as e:   # noqa: BLE001 - the message is what is checked
+            errors.append(f"{type(e).__name__}: {e}")
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.slow
+def test_layer_kinds_and_refusals():
+    r0, r1 = zl.launch(_layer_kinds, world_size=2, timeout=180, threads=1)
+    assert r0["parts"] == [0, 3, 5]                       # uniform: 5 layers -> 3 + 2
+    assert r0["names"] == ["1.bias", "1.weight", "tied_modules.emb.bias", "tied_modules.emb.weight"]
+    assert r1["names"] == ["3.bias", "3.weight", "4.bias", "4.weight"]
+    assert r0["built"] == [(4, 6)] and r1["built"] == [(6, 6), (6, 1)]
+    assert r0["loss"] == r1["loss"] > 0 and r0["eval"] == r1["eval"] > 0
+    assert r0["logits"] is None and r1["logits"] == (2, 1)   # the last stage's outputs
+    e = r0["errors"]
+    assert "Only train_batch() is accessible in pipeline mode" in e[0]
+    assert "num_stages=3" in e[1] and "dividing the world size (2)" in e[1]
+    assert "TiedLayerSpec keys ['t'] fall on stages [[0, 1]]" in e[2]
+    assert "seed_layers=True" in e[3]
+    assert "ZeRO-2 with pipeline parallelism" in e[4]

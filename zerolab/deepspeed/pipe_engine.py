@@ -86,6 +86,8 @@ class PipelineEngine(DeepSpeedEngine):
         batches = self._micro_batches(self.engine.gas, None)
         self.engine.train(True)
         sched = getattr(self.engine.config, "pipeline_schedule", None) or "1f1b"
+        if sched == "1f1b" and self.engine.gas < self.num_stages:
+            sched = "gpipe"   # 1F1B needs a micro-batch per stage; DeepSpeed runs fewer too (the same maths)
         loss = pipeline_train_batch(GradNormHook(self), self.mesh, batches, self.pipe_module.loss_fn, sched)
         return self._dp_mean(torch.tensor(loss, dtype=torch.float32))
 
