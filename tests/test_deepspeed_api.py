@@ -292,6 +292,8 @@ def _surface(save_dir):
         assert engine.get_lr() == lrs[-1] == [optimizer.param_groups[0]["lr"]]
     assert engine.global_steps == 2 and lr_scheduler.last_batch_iteration == 1
     assert engine.get_global_grad_norm() > 0   # the last step's norm before clipping (DeepSpeed's ZeRO-2 reports it)
+    assert engine.was_step_applied() and engine.get_batch_info() == (MICRO * GAS * WORLD, MICRO, GAS)
+    assert engine.optimizer_name() == "adamw"   # the config's type, lower case, as DeepSpeed
     for call, match in ((lambda: lr_scheduler.step(), "lr_scheduler.step"), (lambda: optimizer.step(), "engine.step"),
                         (lambda: engine.train_batch(), "train_batch.*PipelineModule"),
                         (lambda: engine.save_checkpoint(save_dir, save_latest=False), "latest")):

@@ -58,7 +58,7 @@ def assert_same_run(ours: list[dict], theirs: list[dict], atol: float = 1e-5):
         for key in ("grad_norms", "grad_norm"):
             if key in a:
                 assert a[key] == (b[key] if b[key] is None else pytest.approx(b[key], rel=1e-5)), key
-        for key in ("global_steps", "global_samples", "lr", "parts"):
+        for key in ("global_steps", "global_samples", "lr", "parts", "optimizer_name"):
             if key in a:
                 assert a[key] == b[key], key
         if "eval_loss" in a:

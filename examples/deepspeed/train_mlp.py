@@ -54,6 +54,7 @@ def main(argv=None, epochs=2):
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             losses.append(loss.item())
+            assert engine.was_step_applied() == boundary   # the parameters changed at the boundary only
             if boundary:
                 norms.append(engine.get_global_grad_norm())
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
@@ -61,7 +62,7 @@ def main(argv=None, epochs=2):
     rank = deepspeed.comm.get_rank()
     result = {"rank": rank, "losses": losses, "grad_norms": [None if v is None else float(v) for v in norms],
               "params": params, "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-              "lr": scheduler.get_lr()}
+              "lr": scheduler.get_lr(), "optimizer_name": engine.optimizer_name()}
     if rank == 0:
         print("losses", " ".join(f"{x:.4f}" for x in losses[::4]))
     if args.out:

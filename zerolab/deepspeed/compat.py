@@ -40,7 +40,9 @@ TABLE = [
     ("deepspeed.pipe.PipelineModule", DIFFERS,
      "partition_method parameters, uniform, type:REGEX as DeepSpeed cuts; ranks placed DP-outermost (DeepSpeed: "
      "pipeline-outermost; the same when dp or pp is 1); one tensor between stages; ZeRO-0/1 only; clipping uses "
-     "the norm over every stage (DeepSpeed's ZeRO-0 fp32 pipeline clips by the first stage's norm)"),
+     "the norm over every stage (DeepSpeed's ZeRO-0 fp32 pipeline counts only model-parallel rank 0's gradients, "
+     "the first stage's; measured with gradient_clipping 1.0 on examples/deepspeed/train_pipeline.py: the losses "
+     "part from the third step, by up to 2.7e-3)"),
     ("deepspeed.pipe.LayerSpec", SUPPORTED, "built only on the stage that holds it"),
     ("deepspeed.pipe.TiedLayerSpec", DIFFERS,
      "a key must stay on one stage (tied weights across stages would need an all-reduce zerolab lacks)"),
@@ -59,6 +61,10 @@ TABLE = [
      "the last step's norm before clipping, as DeepSpeed's ZeRO optimizers report it; None at fp32 ZeRO-0, "
      "as DeepSpeed"),
     ("engine.get_lr / get_mom", SUPPORTED, "lists, one entry per parameter group"),
+    ("engine.was_step_applied / optimizer_name / save_fp16_model", SUPPORTED, "as DeepSpeed answers them"),
+    ("engine.get_batch_info", DIFFERS,
+     "returns the three numbers (train_batch_size, micro-batch, accumulation steps); DeepSpeed 0.19.8 returns "
+     "the three bound methods, not their values, though its docstring promises the numbers"),
     ("lr_scheduler.get_lr / get_last_lr / state_dict", SUPPORTED,
      "the config's \"scheduler\", advanced by the engine at each optimizer step"),
     ("engine.global_steps / global_samples / micro_steps / skipped_steps", SUPPORTED, "DeepSpeed's counters"),

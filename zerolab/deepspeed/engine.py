@@ -13,20 +13,20 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from zerolab.engine.mesh_norm import grad_sq, model_parallel_all_reduce
+from zerolab.deepspeed.reports import StepReports
 
 
 def _refuse(call: str, instead: str):
     raise NotImplementedError(f"zerolab.deepspeed: {call} is not supported; {instead}")
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(StepReports):
     def __init__(self, engine, training_dataloader=None, local_rank: int = 0, has_optimizer: bool = True):
         d = self.__dict__   # set directly: __getattr__ forwards only what is not here
         d["engine"], d["training_dataloader"], d["local_rank"] = engine, training_dataloader, local_rank
         d["optimizer"] = DeepSpeedOptimizer(engine) if has_optimizer else None
         d["lr_scheduler"] = DeepSpeedScheduler(self) if engine.scheduler is not None else None
-        d["inside_no_sync_ctxt"], d["_global_grad_norm"] = False, None
+        d["inside_no_sync_ctxt"] = False
 
     # ---------------------------------------------------------------- what scripts call every step
     def __call__(self, *inputs, **kwargs):
@@ -48,21 +48,9 @@ class DeepSpeedEngine:
         self._need_optimizer("step")
         if lr_kwargs is not None:
             _refuse("engine.step(lr_kwargs=...)", "the config's \"scheduler\" sets the learning rate")
-        self._record_grad_norm()
+        self._before_step()
         self.engine.step()
-
-    def _record_grad_norm(self):
-        """Before the boundary step: the global gradient norm, unscaled and before clipping, as DeepSpeed's
-        ZeRO optimizers (and its fp16/bf16 wrappers) report it; its fp32 ZeRO-0 path reports None."""
-        e = self.engine
-        if (e.micro_steps + 1) % e.gas or (e.stage == 0 and e.scaler is None and not e.config.bf16_enabled):
-            return
-        scale = 1.0 / (e.world_size * (e.scaler.scale if e.scaler else 1.0))   # the sum -> the mean; unscaled
-        sq = (grad_sq(e, e.owned_grads()) * scale ** 2).to(e.flat.device)
-        if e.shards_optimizer:
-            e.communicator.all_reduce(sq, tag="grad-norm-report")
-        model_parallel_all_reduce(e, sq)
-        self.__dict__["_global_grad_norm"] = float(sq.sqrt())
+        self._after_step()
 
     def _need_optimizer(self, call):
         if self.optimizer is None:   # DeepSpeed asserts the same
@@ -119,10 +107,6 @@ class DeepSpeedEngine:
     def get_mom(self):
         key = "momentum" if self.engine.config.optimizer.type == "sgd" else "betas"
         return [g[key] for g in self.optimizer.param_groups] if self.optimizer else []
-
-    def get_global_grad_norm(self):
-        """The last optimizer step's gradient norm before clipping (None before the first, and at fp32 ZeRO-0)."""
-        return self._global_grad_norm
 
     def zero_optimization_stage(self):
         return self.engine.stage
@@ -203,23 +187,6 @@ class DeepSpeedEngine:
                 pass
         raise AttributeError(f"'DeepSpeedEngine' (zerolab) has no attribute {name!r}, nor has the zerolab engine "
                              f"or the model")
-
-
-class GradNormHook:
-    """The zerolab engine as zerolab's pipeline drives it, recording the gradient norm before each step."""
-
-    def __init__(self, ds):
-        self.__dict__["ds"] = ds
-
-    def __getattr__(self, name):
-        return getattr(self.ds.engine, name)
-
-    def __call__(self, *inputs, **kwargs):
-        return self.ds.engine(*inputs, **kwargs)
-
-    def step(self):
-        self.ds._record_grad_norm()
-        self.ds.engine.step()
 
 
 class DeepSpeedOptimizer:

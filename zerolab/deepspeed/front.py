@@ -120,6 +120,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                          drop_last=drop_last)
     ds = PipelineEngine(engine, model, loader, local_rank, has_optimizer) if pipe else \
         DeepSpeedEngine(engine, loader, local_rank, has_optimizer)
+    if optimizer is not None:
+        ds.__dict__["client_optimizer_name"] = raw["optimizer"]["type"]   # DeepSpeed: the client's class name
     return ds, ds.optimizer, loader, ds.lr_scheduler
 
 

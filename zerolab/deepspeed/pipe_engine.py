@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from zerolab.deepspeed.engine import DeepSpeedEngine, GradNormHook
+from zerolab.deepspeed.engine import DeepSpeedEngine
+from zerolab.deepspeed.reports import GradNormHook
 from zerolab.parallel.pipeline import _P2P, train_batch as pipeline_train_batch
 
 
