@@ -40,6 +40,25 @@ def test_lines_by_range_and_by_block():
     assert "def show" not in sig and "return f\"# {path}" in sig
 
 
+def test_lines_by_a_region_between_two_texts():
+    lines, start = inspect.getsourcelines(measure.PeakMeter)
+    region = source(measure.PeakMeter, lines=("def __enter__", "def __exit__"))
+    body = region.split("\n", 1)[1]
+    first = next(i for i, line in enumerate(lines, 1) if "def __enter__" in line)
+    last = next(i for i, line in enumerate(lines, 1) if "def __exit__" in line)
+    assert first < last
+    assert body == textwrap.dedent("".join(lines[first - 1:last]))
+    assert region.startswith(f"# zerolab/runtime/peak.py, lines {start + first - 1}-{start + last - 1}")
+    # the end is searched from the start on ("self" occurs above __exit__ too): one line
+    one = source(measure.PeakMeter, lines=("def __exit__", "self"))
+    assert one.split("\n")[1].startswith("def __exit__(self") and one.count("\n") == 2
+    assert one.startswith(f"# zerolab/runtime/peak.py, line {start + last - 1}\n")   # one line: "line N"
+    with pytest.raises(ValueError, match="'no such end' does not occur .* at or after line"):
+        source(measure.PeakMeter, lines=("def __exit__", "no such end"))
+    with pytest.raises(ValueError, match="does not occur"):
+        source(measure.PeakMeter, lines=("no such start", "def __exit__"))
+
+
 def test_bad_lines_are_rejected():
     with pytest.raises(ValueError, match="does not occur"):
         source(measure.census, lines="no such text")

@@ -294,3 +294,29 @@ def test_manifest_write_failing_keeps_previous(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="rank 0 could not finish .*'latest' still names 'a'"):
         engine.save_checkpoint(tmp_path, tag="b")
     assert sorted(os.listdir(tmp_path)) == ["a", "latest"]
+
+
+def test_saving_a_tag_again_never_leaves_latest_naming_a_missing_folder(tmp_path, monkeypatch):
+    """Re-saving tag "a" (which ``latest`` names) swaps the new folder in with one exchange: after every
+    rename the save makes, "a" exists and holds a manifest (two renames — old away, new in — would
+    leave a moment without it, and a reader following ``latest`` would find nothing)."""
+    import zerolab.engine.checkpoint.files as files
+    model, engine = build()
+    step(engine, model, 0)
+    engine.save_checkpoint(str(tmp_path), tag="a")
+    final = tmp_path / "a"
+    seen = []
+    real_rename = os.rename
+
+    def rename(src, dst):
+        real_rename(src, dst)
+        seen.append((dst, (final / "manifest.json").exists()))
+    monkeypatch.setattr(files.os, "rename", rename)
+    step(engine, model, 1)
+    engine.save_checkpoint(str(tmp_path), tag="a")
+    assert all(ok for _, ok in seen), seen
+    assert sorted(os.listdir(tmp_path)) == ["a", "latest"]
+    want = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    model2, engine2 = build(seed=2)
+    engine2.load_checkpoint(str(tmp_path))
+    assert all(torch.equal(want[k], v) for k, v in engine2.full_state_dict().items())

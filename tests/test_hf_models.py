@@ -12,6 +12,8 @@ their marks go when the fixes land.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,7 +33,7 @@ def expert_usage(model, record):
     return [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__.endswith("Top1Router")]
 
 
-def family_worker(family, stages, seed=0, adamw=None, zero=None):
+def family_worker(family, stages, seed=0, adamw=None, zero=None, leaf=None):
     """Train ``family`` with torch DDP then with each stage; rank 0 returns the final state dicts,
     every rank returns the experts its data routed to (Switch)."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -45,6 +47,8 @@ def family_worker(family, stages, seed=0, adamw=None, zero=None):
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True,
                                     **engine_config(0, adamw)["optimizer"]["params"])
         else:
+            if leaf:
+                zl.set_leaf_modules(model, leaf)
             net = zl.initialize(model, engine_config(stage, adamw, family, **(zero or {})))
         for step in range(STEPS):
             kw, y = batch(family, step, rank, n)
@@ -66,10 +70,10 @@ def one_step(stage, net, opt, loss) -> None:
         net.step()
 
 
-def check_family(family, stages, seed=0, adamw=None, zero=None, timeout=300, collective_timeout=None):
+def check_family(family, stages, seed=0, adamw=None, zero=None, timeout=300, collective_timeout=None, leaf=None):
     """Launch, compare each stage and DDP with single process; return ({stage: max difference},
     each rank's expert usage). Asserts DDP and every stage within ``TOL``."""
-    results = zl.launch(family_worker, world_size=2, args=(family, stages, seed, adamw, zero), timeout=timeout,
+    results = zl.launch(family_worker, world_size=2, args=(family, stages, seed, adamw, zero, leaf), timeout=timeout,
                         collective_timeout=collective_timeout, threads=1)
     got = results[0][0]
     want = reference(family, model=build(family, seed), adamw=adamw)
@@ -121,13 +125,23 @@ def test_switch_moe_stage3_experts_in_their_block_unit(monkeypatch):
     switch_scenario(usage)
 
 
-@pytest.mark.xfail(strict=True, raises=zl.LaunchError,
-                   reason="a unit whose forward runs on one rank only (here each expert its own unit) is "
-                          "all-gathered on that rank alone: ZeRO-3 needs every rank to run the same units "
-                          "(as DeepSpeed and FSDP do); keep experts inside their block's unit")
-def test_switch_moe_stage3_expert_used_on_one_rank_only():
-    """A hang fails in seconds: collectives time out after 20 s (today gloo aborts the rank at once)."""
-    _, usage = check_family("switch", (3,), seed=SWITCH_SEED, adamw=NO_DECAY, timeout=120, collective_timeout=20)
+# the engine's own check (unit_order.py), or gloo's abort on a size mismatch explained by zl.launch
+UNIT_ORDER_ERROR = r"(?s)(ZeRO-3: the (ranks gathered different units|all-gather of unit)|issued different collectives).*set_leaf_modules"
+
+
+def test_switch_moe_stage3_expert_as_its_own_unit_fails_clearly():
+    """Each expert its own unit (a unit policy naming the expert class) and an expert used on one rank
+    only: the ranks would gather different units — in the same-size case a silent mix of two units'
+    shards. The engine raises before any update, naming the units and the fix (unit_order.py)."""
+    with pytest.raises(zl.LaunchError, match=UNIT_ORDER_ERROR):
+        check_family("switch", (3,), seed=SWITCH_SEED, adamw=NO_DECAY, timeout=120, collective_timeout=20)
+
+
+def test_switch_moe_stage3_expert_units_under_a_leaf_block_match():
+    """The same policy, and the sparse MLP block marked a leaf (DeepSpeed's set_z3_leaf_modules): the
+    block is one unit gathered on every rank, so the expert used on one rank only trains exactly."""
+    _, usage = check_family("switch", (3,), seed=SWITCH_SEED, adamw=NO_DECAY, timeout=120, collective_timeout=20,
+                            leaf=["SwitchTransformersSparseMLP"])
     switch_scenario(usage)
 
 
@@ -161,7 +175,7 @@ TOY_ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
 TOY_STEPS = 4
 
 
-def toy_worker(cases, uses, ddp=False):
+def toy_worker(cases, uses, ddp=False, leaf=False):
     """Train TwoLinear with each (stage, zero options) in ``cases``; ``uses(step, rank)``: b runs."""
     rank = dist.get_rank()
     out, opt = [], None
@@ -171,6 +185,8 @@ def toy_worker(cases, uses, ddp=False):
             net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
             opt = torch.optim.AdamW(model.parameters(), fused=True, **TOY_ADAMW)
         else:
+            if leaf:   # the whole model one unit: gathered on every rank whether b runs or not
+                zl.set_leaf_modules(model, [TwoLinear])
             net = zl.initialize(model, {"optimizer": {"type": "AdamW", "params": TOY_ADAMW},
                                         "zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
                                                               "stage3_param_persistence_threshold": 0, **zero}})
@@ -199,8 +215,8 @@ def one_rank_skips(step, rank):   # b: used on rank 0 always, on rank 1 at odd s
     return rank == 0 or step % 2 == 1
 
 
-def check_toy(cases, uses, ddp=False, **launch):
-    results = zl.launch(toy_worker, world_size=2, args=(cases, uses, ddp), threads=1, **launch)
+def check_toy(cases, uses, ddp=False, leaf=False, **launch):
+    results = zl.launch(toy_worker, world_size=2, args=(cases, uses, ddp, leaf), threads=1, **launch)
     want = toy_reference(uses)
     labels = (["ddp"] if ddp else []) + [f"stage {s} {z}" for s, z in cases]
     diffs = {lab: max_diff(sd, want) for lab, sd in zip(labels, results[0])}
@@ -215,12 +231,51 @@ def test_layer_skipped_on_one_rank_stages_0_2():
     check_toy([(s, {"overlap_comm": o}) for s in (0, 1, 2) for o in (False, True)], one_rank_skips)
 
 
-@pytest.mark.xfail(strict=True, raises=zl.LaunchError,
-                   reason="b's forward is skipped on one rank and b is its own unit: only the other rank "
-                          "all-gathers it; ZeRO-3 needs every rank to run the same units (as DeepSpeed and FSDP)")
-def test_layer_skipped_on_one_rank_stage3():
-    cases = [(3, {"overlap_comm": o, "stage3_prefetch_bucket_size": pf}) for o in (False, True) for pf in (0, 10**6)]
-    check_toy(cases, one_rank_skips, timeout=120, collective_timeout=10)
+STAGE3_CASES = [(3, {"overlap_comm": o, "stage3_prefetch_bucket_size": pf}) for o in (False, True) for pf in (0, 10**6)]
+
+
+@pytest.mark.parametrize("case", STAGE3_CASES, ids=lambda c: f"overlap{int(c[1]['overlap_comm'])}-pf{c[1]['stage3_prefetch_bucket_size']}")
+def test_layer_skipped_on_one_rank_stage3_fails_clearly(case):
+    """b's forward skipped on one rank, b its own unit: a and b have the same size, so rank 1's
+    backward gather of a pairs with rank 0's of b and completes with mixed shards. The step's
+    order check raises before any update, with or without overlap and prefetch."""
+    with pytest.raises(zl.LaunchError, match=UNIT_ORDER_ERROR):
+        check_toy([case], one_rank_skips, timeout=120, collective_timeout=10)
+
+
+def test_layer_skipped_on_one_rank_stage3_leaf_model_matches():
+    """The model marked a leaf: one unit, gathered whole on every rank; matches single process."""
+    check_toy(STAGE3_CASES, one_rank_skips, leaf=True, timeout=120, collective_timeout=10)
+
+
+def order_check_worker():
+    """Each rank reports gathering the same two units in another order (as a forward that ran b before a
+    on one rank would), then steps: the step's check raises on every rank before any update."""
+    rank = dist.get_rank()
+    engine = zl.initialize(TwoLinear(), {"optimizer": {"type": "AdamW", "params": TOY_ADAMW},
+                                         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    before = engine.full_state_dict()
+    x, y = toy_batch(0, rank)
+    engine.backward(torch.nn.functional.mse_loss(engine(x, True), y))
+    for i in ((0, 1) if rank == 0 else (1, 0)):
+        engine.note_gather(i)
+    try:
+        engine.step()
+    except RuntimeError as e:
+        assert all(torch.equal(v, engine.full_state_dict()[k]) for k, v in before.items())
+        return str(e)
+    return "no error"
+
+
+def test_units_gathered_in_another_order_stop_the_step():
+    """Equal counts and sizes in another order: every all-gather would complete, with one rank's shard of
+    a beside the other's shard of b. The step's order check (unit_order.py: count and hash of the units
+    each rank gathered, compared in one all-reduce) raises on every rank and nothing is updated. (A real
+    forward in another order deadlocks in backward instead, where the reductions interleave; that path
+    is the timeout message tested above.)"""
+    results = zl.launch(order_check_worker, world_size=2, threads=1, timeout=60, collective_timeout=10)
+    for msg in results:
+        assert re.search(r"(?s)ZeRO-3: the ranks gathered different units.*set_leaf_modules", msg), msg
 
 
 def unused_at_steps_1_2(step, rank):   # b: used by every rank at steps 0 and 3, by none at 1 and 2

@@ -19,6 +19,8 @@ _EXPORTS = {
     "estimate_config": "zerolab.config",
     "deepspeed_estimate": "zerolab.theory.ds_estimate",
     "comm_breakdown": "zerolab.theory.comm",
+    "by_axis": "zerolab.theory.comm",                     # 3D: bytes per mesh group (chapter 10)
+    "step_time_3d": "zerolab.theory.time3d",              # 3D: the time model's step and TFLOP/s (chapter 10)
     "step_comm_time": "zerolab.theory.comm",
     "zero_table1": "zerolab.theory.memory",
     "table1_text": "zerolab.theory.memory",
@@ -48,6 +50,7 @@ _EXPORTS = {
     "initialize": "zerolab.engine",
     "gathered_parameters": "zerolab.engine",
     "zero_init": "zerolab.engine.bigmodel.zero_init",     # partitioned construction (chapter 6)
+    "set_leaf_modules": "zerolab.engine.unit_order",   # ZeRO-3: a module gathered whole (chapter 6)
     "consolidate_fp32": "zerolab.engine.checkpoint.consolidate",     # checkpoints (chapter 8)
     "CheckpointError": "zerolab.engine.checkpoint.files",
     # book helpers

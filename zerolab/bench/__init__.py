@@ -6,7 +6,9 @@ side by side in one process tree, interleaved rounds, ``bench.json``), ``cli``
 scaling, memory against the formula; ``sweep_report``, ``activations``), ``where``
 (one point's step, profiled), ``peers`` (torch DDP, ZeroRedundancyOptimizer, FSDP2,
 DeepSpeed built on the same model), ``report`` (ratios, plot), ``offload``
-(``python -m zerolab.bench.offload``: the CPU Adam step and each offload tier).
+(``python -m zerolab.bench.offload``: the CPU Adam step and each offload tier),
+``mesh3d`` and ``peers3d`` (``--meshes`` / ``--3d``: ours under TP and PP beside
+DTensor TP + FSDP2 and ``torch.distributed.pipelining``).
 """
 from zerolab.bench.report import ratios, speedups
 from zerolab.bench.runner import bench, run_world

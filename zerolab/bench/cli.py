@@ -2,7 +2,8 @@
 
 Without ``--sweep``: the side-by-side bench (``runner.bench``); with it, the
 scaling sweep (``sweep.sweep``), narrowed by the same ``--models``,
-``--world-sizes`` and ``--stages``.
+``--world-sizes`` and ``--stages``; with ``--meshes`` (or ``--3d``): ours under
+tensor and pipeline parallelism beside PyTorch's (``mesh3d.bench_3d``).
 """
 from __future__ import annotations
 
@@ -41,9 +42,18 @@ def add_bench_args(p):
                    help="overlap_comm for ours and DeepSpeed (default: DeepSpeed's, off for stages 0-2)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the profiler memory pass")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
+    p.add_argument("--meshes", nargs="+", default=None, metavar="DPxTPxPP",
+                   help="3D instead of the DP bench: ours under TP / PP beside DTensor TP + FSDP2 and "
+                        "torch.distributed.pipelining, one launch per mesh (e.g. 2x2x1 1x1x2 or 2x2x1,1x1x2; "
+                        "--3d = 2x2x1 1x1x2 2x1x2); writes bench3d.json and bench3d.md")
+    p.add_argument("--3d", dest="three_d", action="store_true", help="the same as --meshes 2x2x1 1x1x2 2x1x2")
 
 
 def cmd_bench(args) -> int:
+    meshes = [m for text in args.meshes or [] for m in text.split(",") if m]
+    meshes = meshes or (["2x2x1", "1x1x2", "2x1x2"] if args.three_d else None)
+    if meshes:
+        return _cmd_meshes(args, meshes)
     for name, (plain, sweep) in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, sweep if args.sweep else plain)
@@ -65,4 +75,20 @@ def cmd_bench(args) -> int:
           bucket=int(args.bucket) if args.bucket else None,
           overlap_comm=None if args.overlap_comm is None else args.overlap_comm == "on",
           batch=args.batch, warmup=args.warmup, memory=args.memory, timeout=args.timeout)
+    return 0
+
+
+def _cmd_meshes(args, meshes) -> int:
+    from zerolab.bench.mesh3d import bench_3d
+    from zerolab.bench.peers3d import parse_mesh
+    if args.sweep or args.overlap or args.link is not None or args.models is not None:
+        raise ValueError("--meshes / --3d run ours beside the 3D peers: no --sweep, --overlap, --link or --models")
+    if args.world_sizes is not None or args.stages != [0, 1, 2, 3]:
+        raise ValueError("--meshes sets the ranks (dp*tp*pp) and the stages (TP: ZeRO-3, PP: ZeRO-1) itself: "
+                         "no --world-sizes or --stages")
+    for m in meshes:
+        parse_mesh(m)   # ValueError names the form
+    bench_3d(meshes=meshes, model=args.model, batch=args.batch or 8, steps=args.steps or 2,
+             repeats=args.repeats or 5, warmup=args.warmup or 2, memory=args.memory, out=args.out,
+             timeout=min(args.timeout, 900))
     return 0

@@ -36,11 +36,13 @@ TOP_IGNORED = ("steps_per_print", "wall_clock_breakdown", "flops_profiler", "act
                "seq_parallel_communication_data_type", "disable_allgather", "train_batch_size_per_gpu",
                "gradient_accumulation_dtype", "eigenvalue", "progressive_layer_drop", "nebula", "sparse_attention",
                "quantize_training", "weight_quantization", "hybrid_engine", "timers", "torch_autocast")
-ZEROLAB_KEYS = ("debug", "link", "trace", "units", "collectives") + tuple(ZEROPP_KEYS)   # zerolab's own section
+ZEROLAB_KEYS = ("debug", "link", "trace", "units", "collectives",   # zerolab's own section
+                "pipeline_schedule") + tuple(ZEROPP_KEYS)
 # stages 1-2's collectives (engine/stage1.py): "reduce_scatter" = reduce-scatter the gradients, all-gather the
 # parameters (the ring algorithm's bytes, NCCL's fast pair); "all_reduce" = all-reduce the gradients, each rank
 # broadcasts its shard (gloo's fast pair); "per_backend" = all_reduce on gloo, reduce_scatter on any other backend
 COLLECTIVES = ("per_backend", "reduce_scatter", "all_reduce")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")   # engine.train_batch's order of forwards and backwards (chapter 10)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Config:
     qwz_group_size: int = ZEROPP_KEYS["qwz_group_size"]   # ZeRO++ quantization groups (config/zero.py)
     qgz_group_size: int = ZEROPP_KEYS["qgz_group_size"]
     collectives: str = "per_backend"        # stages 1-2: "per_backend" | "reduce_scatter" | "all_reduce"
+    pipeline_schedule: str = "1f1b"         # engine.train_batch under pp > 1: "1f1b" | "gpipe"
     units: tuple[str, ...] | None = None    # stage 3's wrap policy: module class names that are units (None: default)
     ignored: tuple[str, ...] = ()           # DeepSpeed keys accepted but not implemented
     notes: tuple[str, ...] = ()
@@ -111,6 +114,7 @@ class Config:
                for k, v in ZEROPP_KEYS.items()},
             units=read_units(zl),
             collectives=read_choice(zl, "collectives", "zerolab", "per_backend", COLLECTIVES),
+            pipeline_schedule=read_choice(zl, "pipeline_schedule", "zerolab", "1f1b", PIPELINE_SCHEDULES),
             ignored=tuple(ignored), notes=tuple(notes),
             gas_given=read_int(top, "gradient_accumulation_steps", "", None, minimum=1) is not None)
         check_zeropp(cfg.zero, cfg.precision)

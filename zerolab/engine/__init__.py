@@ -25,6 +25,7 @@ from zerolab.engine.stage1 import Stage1Engine
 from zerolab.engine.stage2 import Stage2Engine
 from zerolab.engine.stage3 import Stage3Engine
 from zerolab.engine.zeropp.engine import ZeroPPEngine
+from zerolab.parallel.pipeline import is_stage, pipeline_stage, sync_tied
 
 __all__ = ["initialize", "gathered_parameters", "Engine", "Stage0Engine", "Stage1Engine", "Stage2Engine", "Stage3Engine",
            "ZeroPPEngine"]
@@ -44,7 +45,10 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None, me
     optimizer params are the defaults). Raises ``ConfigError`` / ``ValueError`` for
     what the engine cannot do, before touching the model; if building the engine
     fails later (a bad ``nvme_path``), the model is put back as it was. ``mesh``: a
-    ``zl.mesh`` (3D, chapter 10): the engine shards over its DP group only.
+    ``zl.mesh`` (3D, chapter 10): the engine shards over its DP group only; with pp > 1
+    ``model`` is the whole model (an ``nn.Sequential`` or list of blocks, or a GPT-shaped
+    model), cut here into this rank's stage (``pipeline_stage``; a stage already cut is kept),
+    a weight tied between the first and the last stage synchronised over the embedding group.
     """
     cfg = Config.from_any(config)
     if link is not None:  # a simulated link (zerolab.theory.network) for this engine only
@@ -57,7 +61,16 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None, me
         raise ConfigError(f"{mesh}: fp16 loss scaling with pipeline parallelism is not implemented yet (each stage "
                           f"would scale the gradient it receives again); use bf16")
     cfg = cfg.with_world_size(communicator.world_size)
+    if mesh is not None and mesh.pp > 1:
+        if isinstance(model, list):
+            model = nn.Sequential(*model)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"{mesh}: the model to cut into pp={mesh.pp} stages must be an nn.Module or a list "
+                             f"of blocks, got {type(model).__name__}")
+        model = model if is_stage(model) else pipeline_stage(model, mesh)
     _check_supported(model, cfg)
+    if mesh is not None and mesh.pp > 1:
+        sync_tied(model, mesh)   # a collective over the embedding group (nothing without a tied weight)
     check_zeropp(cfg.zero, cfg.precision, communicator.world_size, communicator.ranks_per_node)
     cls = ZeroPPEngine if cfg.zero.zeropp else ENGINES[cfg.zero.stage]
     if cfg.zero.offload_optimizer.device != "none" or cfg.zero.offload_param.device != "none":

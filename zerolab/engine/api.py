@@ -8,6 +8,7 @@ than in it, each a thin door to the file that does the work:
     full_state_dict()        consolidated fp32 parameters (``checkpoint/state.py``)
     save_checkpoint() ...    sharded, atomic checkpoints at any world size (``checkpoint/``, chapter 8)
     load_state_dict()        a dict or file, each rank copying only its shard (``bigmodel/load.py``)
+    train_batch()            one step over a list of micro-batches, pipelined when pp > 1 (``parallel/pipeline``)
     train() / eval() / close()
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from zerolab.engine.bigmodel.load import load_state_dict
 from zerolab.engine.checkpoint.load import load_checkpoint
 from zerolab.engine.checkpoint.save import save_16bit_model, save_checkpoint
 from zerolab.engine.checkpoint.state import consolidated_state_dict
+from zerolab.parallel.pipeline import train_batch as pipeline_train_batch
 from zerolab.runtime.comm import CommLedger
 from zerolab.runtime.measure import MemoryReport, storage_bytes
 
@@ -42,6 +44,15 @@ class EngineAPI:
             grads=self.grad_bytes(),
             optimizer=storage_bytes(self.master) + self.optimizer.nbytes(),
             buffers=sum(buffers.values()) + self.transient_bytes())
+
+    def train_batch(self, batches, loss_fn) -> float:
+        """Collective: one optimizer step over ``batches`` (a list of (inputs, targets), as many as
+        gradient_accumulation_steps), through the pipeline when the mesh has pp > 1 (schedule:
+        ``config["zerolab"]["pipeline_schedule"]``, "1f1b" or "gpipe"), else plain accumulation.
+        Returns the mean loss over the micro-batches and the DP group, the same on every rank;
+        ``self.pipeline_stats`` then holds what the step measured (``parallel/pipeline_stats.py``)."""
+        return pipeline_train_batch(self, getattr(self, "mesh", None), batches, loss_fn,
+                                    self.config.pipeline_schedule)
 
     def train(self, mode: bool = True):
         self.module.train(mode)

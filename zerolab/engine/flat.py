@@ -58,13 +58,20 @@ def find_units(model: nn.Module, policy=None) -> list[tuple[str, nn.Module]]:
 
     Default: every element of an ``nn.ModuleList`` (not inside another block), and
     every other module that directly owns parameters. ``policy``: class names; the
-    modules of those classes instead (nested ones too).
+    modules of those classes instead (nested ones too). A module marked as a leaf
+    (``zl.set_leaf_modules``, DeepSpeed's ``_z3_leaf``) is one unit with everything inside it.
     """
     units = [("rest", model)]
+    if getattr(model, "_z3_leaf", False):   # the whole model is one leaf: one unit
+        return units
 
     def visit(path, m, in_block):
         for name, child in m.named_children():
             cp = f"{path}.{name}" if path else name
+            if getattr(child, "_z3_leaf", False):   # a leaf (unit_order.set_leaf_modules): one unit, nothing inside
+                if any(True for _ in child.parameters()):
+                    units.append((cp, child))
+                continue
             if policy is not None:
                 unit, block = type(child).__name__ in policy, False
             else:

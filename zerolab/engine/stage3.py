@@ -26,6 +26,7 @@ unit of their own, all-gathered after the step like stage 2. Gathering ahead
 and keeping units for reuse (the other ``stage3_*`` knobs) is ``prefetch.py``;
 frozen parameters (a LoRA base) are partitioned as *frozen twins*, ``frozen.py``.
 ``{"zerolab": {"debug": true}}``: a released parameter raises an explanatory error when touched.
+Every rank must gather the same units in the same order; ``unit_order.py`` checks it at each step.
 """
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ from zerolab.engine.gathered import GatheredMixin, ReleasedParameter
 from zerolab.engine.prefetch import Prefetcher, UnitTrace
 from zerolab.engine.reduce_order import ReduceWhenDone
 from zerolab.engine.unit_hooks import tensors_of, unit_hooks
+from zerolab.engine.unit_order import UnitOrderCheck
 from zerolab.engine.stage2 import Stage2Engine
 from zerolab.engine.flat import released
 
 
-class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, Stage2Engine):
+class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, UnitOrderCheck, Stage2Engine):
     stage = 3
 
     def persist_threshold(self) -> int:
@@ -113,6 +115,7 @@ class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, Stage
         self.live_elements += u.padded
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
         self.event(ev.GATHER_ISSUED, i)
+        self.note_gather(i)   # every rank must gather the same units in the same order (unit_order.py)
         self._inflight[i] = self.fetch_unit(i)
 
     def fetch_unit(self, i: int):
@@ -120,7 +123,10 @@ class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, Stage
         return self.communicator.all_gather(self._full[i], self.shard_of(i), async_op=True, tag=f"unit-{i}")
 
     def _complete(self, i: int) -> None:
-        self._inflight.pop(i).wait()
+        try:
+            self._inflight.pop(i).wait()
+        except RuntimeError as e:
+            raise self.gather_failed(i, e) from e
         for p, v in self._views[i]:
             if self.debug:
                 p.__class__ = p._zl_class

@@ -20,13 +20,7 @@ those of the formulas.
 """
 from __future__ import annotations
 
-import time
-
 import torch
-import torch.distributed as dist
-
-from zerolab.runtime.comm import CommRecord
-from zerolab.theory.network import ring_bytes
 
 
 def param_spans(flat, shards_optimizer: bool) -> list:
@@ -53,10 +47,5 @@ class SkipUnused:
         params = [(name, p) for u in self.flat.units for name, p in u.params]
         flags = torch.tensor([1 if id(p) in seen else 0 for _, p in params], dtype=torch.uint8)
         if self.world_size > 1:
-            t0 = time.perf_counter()
-            c = self.communicator
-            dist.all_reduce(flags, dist.ReduceOp.MAX, group=c.group)
-            c.ledger.control.append(CommRecord("all_reduce", ring_bytes("all_reduce", flags.numel(), self.world_size,
-                                                                        self.rank), time.perf_counter() - t0,
-                                               flags.numel(), "uint8", self.world_size, "unused-params"))
+            self.communicator.all_reduce(flags, op="max", tag="unused-params", control=True)
         return {name for (name, _), f in zip(params, flags.tolist()) if not f}

@@ -17,6 +17,7 @@ import time
 import warnings
 from multiprocessing import connection
 
+from zerolab.runtime.handle import DIFFERENT_COLLECTIVES
 from zerolab.runtime.rank import log_path
 
 __all__ = ["collect", "LaunchError"]
@@ -69,13 +70,19 @@ def collect(procs, conns, timeout, workdir):
     return results
 
 
+# gloo aborts the process (no Python exception) when two ranks' collectives differ in size
+MISMATCH = ("Received data size doesn't match expected size", "collective mismatch")
+MISMATCH_HINT = DIFFERENT_COLLECTIVES
+
+
 def _raise_death(proc, rank, n, workdir):
     proc.join(2.0)
     code = proc.exitcode
     how = f"was killed by signal {-code}" if code and code < 0 else f"exited with code {code}"
+    tail = _logs_tail(workdir, [rank])
+    hint = MISMATCH_HINT if any(m in tail for m in MISMATCH) else ""
     raise LaunchError(f"rank {rank} of {n} {how} before returning a result "
-                      f"(out of memory? os._exit? a crash in native code?)\n" + _logs_tail(workdir, [rank]),
-                      rank=rank)
+                      f"(out of memory? os._exit? a crash in native code?)\n" + tail + hint, rank=rank)
 
 
 def _raise_first_error(errors, conns, pending, warned, workdir, n):

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from zerolab.runtime import nodes
+from zerolab.runtime.handle import Handle  # noqa: F401  (re-exported: an issued collective)
 from zerolab.theory.network import Link, get_link, ring_bytes
 
 __all__ = ["Communicator", "CommLedger", "CommRecord", "Handle"]
@@ -109,47 +110,6 @@ class CommLedger:
         return "\n".join(lines)
 
 
-class Handle:
-    """An issued collective. ``wait()`` blocks until it is done (and, on a
-    simulated link, until the link would have delivered it); idempotent."""
-
-    def __init__(self, work, record: CommRecord, ledger: CommLedger, t_issue: float,
-                 t_link_done: float, after=None):
-        self._work, self._record, self._ledger = work, record, ledger
-        self._t_issue, self._t_link_done, self._after = t_issue, t_link_done, after
-        self._t_complete = []   # filled by the backend's completion callback, where it has one
-        self.done = False
-        if work is not None:
-            try:
-                work.get_future().add_done_callback(lambda _: self._t_complete.append(time.perf_counter()))
-            except RuntimeError:  # gloo's list-form reduce-scatter has no future: completion = when waited on
-                pass
-
-    def is_completed(self) -> bool:
-        """Has the collective finished (and would a simulated link have delivered
-        it)? Never blocks. gloo's reduce-scatter only reports done once waited on."""
-        if self.done:
-            return True
-        if self._work is not None and not self._work.is_completed():
-            return False
-        return time.perf_counter() >= self._t_link_done
-
-    def wait(self):
-        if self.done:
-            return
-        if self._work is not None:
-            self._work.wait()
-        t_backend = self._t_complete[0] if self._t_complete else time.perf_counter()
-        delay = self._t_link_done - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        if self._after is not None:
-            self._after()
-        self._record.seconds = max(t_backend, self._t_link_done) - self._t_issue
-        self._ledger.records.append(self._record)
-        self.done = True
-
-
 class Communicator:
     """Collectives over one process group, recorded in ``self.ledger``; ``.intra`` / ``.inter``:
     the communicators of this rank's node and of its peers on the other nodes (None on one node)."""
@@ -208,12 +168,12 @@ class Communicator:
         return nodes.inter_fraction(op, self.members, self.rank, self.ranks_per_node)
 
     # -- one place that times, simulates and records ---------------------------------
-    def _run(self, op, tensor_for_size, call, async_op, tag, src=0, after=None):
+    def _run(self, op, tensor_for_size, call, async_op, tag, src=0, after=None, control=False):
         nbytes = tensor_for_size.numel() * tensor_for_size.element_size()
         sent = ring_bytes(op, nbytes, self.world_size, self.rank, src)
         t_issue = time.perf_counter()
         t_done = 0.0
-        if self._links is not None:
+        if self._links is not None and not control:   # bookkeeping flags do not occupy the simulated link
             tier = "inter" if self.spans_nodes else "intra"
             start = max(t_issue, self.ledger.busy_until.get(tier, 0.0))
             t_done = start + self._links[tier].time(op, nbytes, self.world_size, self.rank, src)
@@ -222,7 +182,8 @@ class Communicator:
                             self.world_size, tag, self._links is not None,
                             inter_bytes=round(sent * self.inter_fraction(op, src)), group=self.name)
         work = call(async_op) if self.world_size > 1 else None
-        handle = Handle(work, record, self.ledger, t_issue, t_done, after)
+        handle = Handle(work, record, self.ledger, t_issue, t_done, after,
+                        book=self.ledger.control if control else None)
         if not async_op:
             handle.wait()
         return handle
@@ -239,13 +200,14 @@ class Communicator:
             raise ValueError(message)
 
     # -- the collectives ---------------------------------------------------------------
-    def all_reduce(self, tensor, op="sum", async_op=False, tag=""):
-        """In place: every rank ends with the reduction of all ranks' ``tensor``."""
+    def all_reduce(self, tensor, op="sum", async_op=False, tag="", control=False):
+        """In place: every rank ends with the reduction of all ranks' ``tensor``. ``control``: a
+        bookkeeping flag, recorded in ``ledger.control`` apart from the algorithm's collectives."""
         red = self._op("sum" if op == "avg" else op)
         after = (lambda: tensor.div_(self.world_size)) if op == "avg" else None
         return self._run("all_reduce", tensor,
                          lambda a: dist.all_reduce(tensor, red, group=self.group, async_op=a),
-                         async_op, tag, after=after)
+                         async_op, tag, after=after, control=control)
 
     def reduce_scatter(self, output, input, op="sum", async_op=False, tag=""):
         """``input`` (N*S elements, the full tensor) -> ``output`` (S): rank r gets the

@@ -20,6 +20,13 @@ ZeRO++'s hpZ groups and the mesh. Every process group is built once per
 process and grid (``new_group`` is a collective: the same calls, in the same
 order, on every rank). The mesh's communicators share one ledger, and each
 record is booked under its group: ``ledger.total_bytes(group="tp")``.
+
+With pp > 1 there is a fourth kind of group, ``"embed"`` (the *embedding group*,
+Megatron-LM's name): the first and the last stage of each PP group, i.e. the two
+ranks with the same (dp, tp) coordinates at pp_rank 0 and pp - 1. A weight tied
+between the first and the last stage (a GPT's embedding and head) lives on both;
+their gradients are summed over this group (``zerolab.parallel.pipeline``), booked
+under ``group="embed"``. A middle stage belongs to no embedding group.
 """
 from __future__ import annotations
 
@@ -42,6 +49,12 @@ def mesh_layout(dp: int, tp: int, pp: int) -> dict:
     return {"tp": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
             "pp": [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
             "dp": [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]}
+
+
+def embedding_layout(dp: int, tp: int, pp: int) -> list:
+    """The embedding groups: per (dp, tp) coordinates, [first stage's rank, last stage's rank]
+    (none when pp == 1: the first stage is the last)."""
+    return [[(d * pp) * tp + t, (d * pp + pp - 1) * tp + t] for d in range(dp) for t in range(tp)] if pp > 1 else []
 
 
 def coordinates(rank: int, dp: int, tp: int, pp: int) -> dict:
@@ -89,26 +102,39 @@ class Mesh:
         self.dp_rank, self.pp_rank, self.tp_rank = coords["dp"], coords["pp"], coords["tp"]
         self.node = self.rank // ranks_per_node
         self.layout = mesh_layout(dp, tp, pp)
-        self._groups = {k: None for k in AXES} if local else self._build_groups()
+        self.embed_layout = embedding_layout(dp, tp, pp)
+        self._groups = {k: None for k in AXES + ("embed",)} if local else self._build_groups()
         self._link = link
         self.ledger = CommLedger(link=link if isinstance(link, dict) else get_link(link))
         self._comms = {}
 
     def _build_groups(self) -> dict:
         """One process group per row of each kind, built once per process and grid, in the same
-        order on every rank (TP, then PP, then DP)."""
+        order on every rank (TP, then PP, then DP, then the embedding groups when pp > 1)."""
         key = ("mesh", self.dp, self.tp, self.pp, id(dist.group.WORLD))
         if key not in nodes._GROUPS:
             built = {}
             for name in ("tp", "pp", "dp"):
                 built[name], _ = dist.new_subgroups_by_enumeration(self.layout[name])
+            built["embed"] = dist.new_subgroups_by_enumeration(self.embed_layout)[0] if self.embed_layout else None
             nodes._GROUPS[key] = built
         return nodes._GROUPS[key]
 
     def _axis(self, name: str) -> str:
+        if name == "embed":
+            if not self.in_embedding_group:
+                raise ValueError(f"{self}: only the first and the last pipeline stage (pp > 1) are in an "
+                                 f"embedding group ('embed')")
+            return name
         if name not in self.sizes:
-            raise ValueError(f"a mesh group is one of 'dp', 'tp', 'pp'; got {name!r}")
+            raise ValueError(f"a mesh group is one of 'dp', 'tp', 'pp'; got {name!r} (or 'embed', the first and "
+                             f"last pipeline stages)")
         return name
+
+    @property
+    def in_embedding_group(self) -> bool:
+        """Whether this rank is a first or last stage of a pipeline of pp > 1 (module docstring)."""
+        return self.pp > 1 and self.pp_rank in (0, self.pp - 1)
 
     def group(self, name: str):
         """The process group of this rank's ``name`` group ("dp", "tp" or "pp"); None on one process."""
@@ -116,14 +142,16 @@ class Mesh:
 
     def ranks(self, name: str) -> list:
         """The global ranks of this rank's ``name`` group, in group order."""
-        return next(g for g in self.layout[self._axis(name)] if self.rank in g)
+        rows = self.embed_layout if self._axis(name) == "embed" else self.layout[name]
+        return next(g for g in rows if self.rank in g)
 
     def size(self, name: str) -> int:
-        return self.sizes[self._axis(name)]
+        return 2 if self._axis(name) == "embed" else self.sizes[name]
 
     def coord(self, name: str) -> int:
         """This rank's index in its ``name`` group (``dp_rank``, ``tp_rank`` or ``pp_rank``)."""
-        return {"dp": self.dp_rank, "tp": self.tp_rank, "pp": self.pp_rank}[self._axis(name)]
+        return {"dp": self.dp_rank, "tp": self.tp_rank, "pp": self.pp_rank,
+                "embed": int(self.pp_rank > 0)}[self._axis(name)]
 
     def communicator(self, name: str, link=None) -> Communicator:
         """The ``Communicator`` of this rank's ``name`` group (one per group and mesh), booking its

@@ -49,12 +49,18 @@ inter-node all-to-all only crosses. Per rank that is one NIC's traffic on a
 node with one NIC per GPU; K times it is what a node sends across, the
 ZeRO++ paper's accounting: ZeRO-3's 3M cross-node volume becomes
 0.5M + 0 + 0.25M = 0.75M with all three (plus the scales).
+
+3D (chapter 10): with ``tp``/``pp`` > 1 the DP ops above run over each rank's model-parallel slice
+among n/(tp·pp) ranks, beside the TP and PP ops of ``theory.comm3d``; each ``CommOp`` names its
+mesh group (``axis``) and ``by_axis`` sums the bytes per group, what the ledger books under
+``engine.comm.total_bytes(group=...)`` (tests/test_comm3d.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerolab.theory.checks import check_psi_n
+from zerolab.theory.checks import check_psi_n, mesh_share
+from zerolab.theory.comm3d import check_shape, dp_gpus_per_node, model_parallel_ops
 from zerolab.theory.network import ring_bytes
 from zerolab.theory.nodes import get_node, node_from_links
 
@@ -70,18 +76,20 @@ def quantized_bytes(length: int, bits: int, group: int) -> int:
 @dataclass(frozen=True)
 class CommOp:
     """One kind of collective in a step."""
-    op: str          # "all_reduce" | "reduce_scatter" | "all_gather" | "all_to_all"
+    op: str          # "all_reduce" | "reduce_scatter" | "all_gather" | "all_to_all" | "broadcast" | "send"
     what: str        # "grads" | "params" | "params-forward" | "params-backward" | "grads-intra" | "grads-inter"
+    #                  TP: "act-forward" | "act-backward" | "loss"; PP: "activations" | "activation-grads" | "loss"
     group: int       # ranks taking part
     nbytes: int      # full tensor size (all-reduce tensor, RS input, AG output, all-to-all input)
     count: int       # how many times per optimizer step
     inter_node: bool # does the group span nodes? (its time is set by the inter-node link)
     inter_share: float = 0.0  # fraction of each rank's bytes that crosses nodes (module docstring)
+    axis: str = "dp"          # the mesh group it runs in: "dp" | "tp" | "pp" (chapter 10, ``theory.comm3d``)
 
     @property
     def bytes_each(self) -> int:
-        """Bytes one rank sends for one of these collectives."""
-        return ring_bytes(self.op, self.nbytes, self.group)
+        """Bytes one rank sends for one of these collectives (a point-to-point "send": its tensor)."""
+        return self.nbytes if self.op == "send" else ring_bytes(self.op, self.nbytes, self.group)
 
     @property
     def bytes(self) -> int:
@@ -119,8 +127,27 @@ def _hpz_size(hpz, k, n) -> int:
 
 def comm_breakdown(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_node=None,
                    quantized_weights=False, quantized_gradients=False, hpz=False,
-                   units=None, weight_group=8000, gradient_group=4096) -> list[CommOp]:
-    """The collectives one optimizer step runs (see the module docstring)."""
+                   units=None, weight_group=8000, gradient_group=4096, *, tp=1, pp=1, replicated=0,
+                   layers=None, hidden=None, micro_batch=None, seq=None, act_bytes=None, qkv_fused=True,
+                   sequence_parallel=False, pp_rank=None) -> list[CommOp]:
+    """The collectives one optimizer step runs on one rank (see the module docstring).
+
+    3D (chapter 10): ``n_gpus`` counts every GPU; with ``tp``/``pp`` > 1 the DP ops (``axis="dp"``)
+    are the ZeRO formula over the rank's model-parallel slice (``checks.mesh_share``: Ψ/(tp·pp) plus the
+    ``replicated`` parameters every TP rank keeps whole) among n_gpus/(tp·pp) ranks, and the TP and PP
+    ops (``axis="tp"``, ``"pp"``) those of ``theory.comm3d``'s docstring: ``layers``, ``hidden``,
+    ``micro_batch`` (sequences per micro-batch and DP rank), ``seq``, ``act_bytes`` (default
+    ``dtype_bytes``), ``qkv_fused`` (False: TinyGPT's separate q, k, v), ``sequence_parallel``;
+    ``grad_accum`` = micro-batches per step. ``pp_rank``: the stage whose TP and PP ops to list (None:
+    the one that sends the most). ``units`` and the ZeRO++ flags apply to the DP ops. Each op's
+    ``bytes`` is what the engine's ledger books on that rank: ``engine.comm.total_bytes(group=axis)``.
+    """
+    if (tp, pp) != (1, 1):   # (replicated changes nothing without model parallelism)
+        return _breakdown_3d(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node,
+                             dict(quantized_weights=quantized_weights, quantized_gradients=quantized_gradients,
+                                  hpz=hpz, units=units, weight_group=weight_group, gradient_group=gradient_group),
+                             tp, pp, replicated, layers, hidden, micro_batch, seq, act_bytes, qkv_fused,
+                             sequence_parallel, pp_rank)
     psi, n = _check(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node)
     if stage < 3 and (quantized_weights or quantized_gradients or hpz):
         raise ValueError(f"ZeRO++ (quantized_weights, quantized_gradients, hpz) needs stage 3, got stage={stage}")
@@ -157,6 +184,31 @@ def comm_breakdown(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_nod
                              count=g, inter_node=True, inter_share=1.0)]
     return ops + [CommOp("all_to_all", "grads", group=n, nbytes=n * quantized_bytes(r, 4, gradient_group), count=g,
                          inter_node=nodes > 1, inter_share=1.0 if nodes > 1 else 0.0)]
+
+
+def _breakdown_3d(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node, zero, tp, pp, replicated, layers,
+                  hidden, micro_batch, seq, act_bytes, qkv_fused, sequence_parallel, pp_rank) -> list[CommOp]:
+    act_bytes = dtype_bytes if act_bytes is None else act_bytes
+    check_shape(tp, pp, layers, hidden, micro_batch, seq, act_bytes, pp_rank)
+    psi_mp, n_dp = mesh_share(psi, n_gpus, tp, pp, replicated)
+    _check(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node)
+    dp = comm_breakdown(psi_mp, n_dp, stage, dtype_bytes, grad_accum, dp_gpus_per_node(gpus_per_node, tp, pp),
+                        **zero)
+    _, mp = model_parallel_ops(tp, pp, grad_accum, layers, hidden, micro_batch, seq, act_bytes, pp_rank,
+                               gpus_per_node, qkv_fused, sequence_parallel)
+    return dp + [CommOp(**d) for d in mp]
+
+
+def by_axis(ops: list[CommOp], scope: str | None = None) -> dict:
+    """{"dp": bytes, "tp": bytes, "pp": bytes} one rank sends per step, by mesh group; ``scope="inter"``:
+    only the bytes that cross nodes, ``"intra"``: the rest (as ``engine.comm.total_bytes(group=, scope=)``)."""
+    if scope not in (None, "intra", "inter"):
+        raise ValueError(f"scope must be None, 'intra' or 'inter', got {scope!r}")
+    out = {"dp": 0, "tp": 0, "pp": 0}
+    for op in ops:
+        inter = op.inter_bytes
+        out[op.axis] += inter if scope == "inter" else op.bytes - inter if scope == "intra" else op.bytes
+    return out
 
 
 def comm_volume(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_node=None,

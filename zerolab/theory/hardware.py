@@ -79,22 +79,30 @@ class Hardware:
                 f"per node")
 
 
-A100_BF16, H100_BF16 = 312e12, 989e12     # dense bf16 peaks: NVIDIA A100 and H100 SXM datasheets
+A100_BF16, H100_BF16 = 312e12, 989e12     # dense bf16 peaks of the A100 and H100 SXM (sources at GPUS below)
 A100_ACHIEVED = 150e12                    # assumed: about half the peak, what well-tuned large-model runs report
 H100_ACHIEVED = 450e12                    # assumed: the same fraction of the H100's peak, rounded down
 
 HARDWARE = {
-    # DGX A100 (NVIDIA DGX A100 datasheet): 8 A100 on NVLink3, 8 x 200 Gb/s HDR NICs (theory.nodes);
-    # PCIe 4.0 x16 = 31.5 GB/s line rate per direction, about 25 GB/s achieved by pinned copies;
-    # 2 x AMD EPYC 7742, 8 channels of DDR4-3200 each = 410 GB/s peak, 150 GB/s assumed achieved
-    # by the CPU Adam; internal storage 4 x 3.84 TB U.2 NVMe, about 6 GB/s sequential each (PCIe 4.0 x4).
+    # DGX A100: 8 A100 on NVLink3, 8 x 200 Gb/s HDR NICs (theory.nodes); 2 x AMD EPYC 7742; 15 TB of
+    # internal NVMe = 4 x 3.84 TB U.2 ("NVIDIA's Ampere Based DGX A100 Servers Leverage AMD EPYC Rome CPUs",
+    # https://www.hardwaretimes.com/nvidias-ampere-based-dgx-a100-servers-leverage-amd-epyc-rome-cpus-instead-of-intel-xeon/).
+    # PCIe 4.0 x16 = 31.5 GB/s line rate per direction ("PCI Express bus", https://hpc-notes.pages.dev/reference/pcie),
+    # about 25 GB/s achieved by pinned copies (assumed). EPYC 7002: 8 channels of DDR4-3200 = 204.8 GB/s
+    # per socket ("AMD Confirms Twelve DDR5 Memory Channels For Zen 4 EPYC CPUs",
+    # https://www.tomshardware.com/uk/news/amd-confirms-12-ddr5-memory-channels-on-genoa), 410 GB/s for
+    # two, 150 GB/s assumed achieved by the CPU Adam; about 6 GB/s sequential per PCIe 4.0 x4 drive (assumed).
     "dgx-a100": Hardware("DGX A100", NODES["dgx-a100"], A100_ACHIEVED, 25 * GB, 150 * GB, 4, 6 * GB),
-    # DGX H100 (NVIDIA DGX H100 datasheet): 8 H100 on NVLink4, 8 x 400 Gb/s NDR NICs; PCIe 5.0 x16 =
-    # 63 GB/s line rate, 50 GB/s assumed achieved; 2 x Xeon 8480C, 8 channels of DDR5-4800 each =
-    # 614 GB/s peak, 300 GB/s assumed achieved; 8 x 3.84 TB U.2 NVMe, about 6 GB/s each.
+    # DGX H100: 8 H100 on NVLink4, 8 single-port ConnectX-7 at 400 Gb/s, 2 x Xeon Platinum 8480C with
+    # PCIe 5.0, 2 TB DDR5, 8 x 3.84 TB U.2 NVMe ("DGX BasePOD: Core Components", NVIDIA,
+    # https://docs.nvidia.com/dgx-basepod/reference-architecture-infrastructure-foundation-enterprise-ai/latest/core-components.html).
+    # PCIe 5.0 x16 = 63 GB/s line rate (hpc-notes, above), 50 GB/s assumed achieved; Sapphire Rapids:
+    # 8 channels of DDR5-4800 ("Intel Sapphire Rapids-SP Xeon ... 8 channel DDR5 memory with speeds of up
+    # to 4800 MHz", https://wccftech.com/intel-xeon-sapphire-rapids-sp-cpus-feature-up-to-56-cores-on-350w-tdp/)
+    # = 307 GB/s per socket, 614 GB/s for two, 300 GB/s assumed achieved; about 6 GB/s per drive (assumed).
     "dgx-h100": Hardware("DGX H100", NODES["dgx-h100"], H100_ACHIEVED, 50 * GB, 300 * GB, 8, 6 * GB),
     # A cloud VM: the DGX A100's GPUs, PCIe and CPUs, one 100 GbE NIC (theory.nodes) and one local
-    # NVMe drive for the whole node.
+    # NVMe drive for the whole node (an example configuration, not a product).
     "cloud-100gbe": Hardware("cloud 8 x A100, 1 x 100 GbE", NODES["cloud-100gbe"], A100_ACHIEVED,
                              25 * GB, 150 * GB, 1, 6 * GB),
 }
@@ -151,15 +159,24 @@ class GPU:
 
 
 GPUS = {
-    # NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS bf16 dense, 2,039 GB/s HBM2e, NVLink3 600 GB/s
-    # (both directions); DGX A100: one 200 Gb/s HDR NIC per GPU.
+    # A100 SXM 80GB: 312 TFLOPS bf16 dense (624 with sparsity), 2,039 GB/s HBM2e, 80 GB ("A100",
+    # G. Lockwood, https://glennklockwood.com/garden/processors/A100, citing NVIDIA's A100 datasheet,
+    # https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf);
+    # NVLink3 300 + 300 GB/s (same page); DGX A100: one 200 Gb/s HDR NIC per GPU (theory.nodes; not
+    # checked against a stored NVIDIA page).
     "A100": GPU("A100 SXM 80GB", 312e12, 2.039e12, 80 * GB, 300 * GB, 200e9 / 8),
-    # NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1,979 with sparsity), 3.35 TB/s HBM3, 80 GB,
-    # NVLink4 900 GB/s; DGX H100: one 400 Gb/s NDR NIC per GPU.
+    # H100 SXM: 989.4 TFLOPS bf16 dense (1,978.9 with sparsity), 3.35 TB/s HBM3, 80 GB, NVLink4 900 GB/s
+    # both directions ("H100", G. Lockwood, https://glennklockwood.com/garden/processors/h100); DGX H100:
+    # eight ConnectX-7 at 400 Gb/s, one per GPU ("DGX BasePOD: Core Components", NVIDIA, cited above).
     "H100": GPU("H100 SXM", 989e12, 3.35e12, 80 * GB, 450 * GB, 400e9 / 8),
-    # NVIDIA H200 SXM datasheet: the H100's compute, 4.8 TB/s HBM3e, 141 GB; NVLink4; DGX H200: 400 Gb/s per GPU.
+    # H200 SXM: the H100's GH100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink4 900 GB/s ("NVIDIA H200 GPU
+    # Specifications and Features", https://lzwjava.github.io/nvidia-h200-gpu-specs-en; "NVIDIA H200",
+    # https://aiwiki.ai/wiki/nvidia_h200); DGX H200: eight ConnectX-7 at 400 Gb/s (DGX BasePOD, above).
     "H200": GPU("H200 SXM", 989e12, 4.8e12, 141 * GB, 450 * GB, 400e9 / 8),
-    # NVIDIA HGX B200 datasheet: 36 PFLOPS bf16 with sparsity for 8 GPUs = 2.25 PFLOPS dense per GPU,
-    # 8 TB/s HBM3e, 180 GB; NVLink5 1.8 TB/s (both directions); DGX B200: one 400 Gb/s NIC per GPU.
+    # NVIDIA HGX B200 datasheet: 36 PFLOPS bf16 with sparsity for 8 GPUs = 2.25 PFLOPS dense per GPU
+    # (the same 2,250 TFLOPS dense bf16 at 1,000 W: "B200", G. Lockwood,
+    # https://glennklockwood.com/garden/processors/B200), 8 TB/s HBM3e, 180 GB (DGX B200: "1.4TB of GPU
+    # memory" for 8, DGX BasePOD above); NVLink5 1.8 TB/s both directions; DGX B200: eight ConnectX-7 at
+    # 400 Gb/s, one per GPU (DGX BasePOD, above).
     "B200": GPU("B200", 2.25e15, 8e12, 180 * GB, 900 * GB, 400e9 / 8),
 }

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import torch
 
@@ -84,6 +85,34 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def replace_dir(new: str, final: str) -> None:
+    """Make the folder ``new`` the folder ``final``; an existing ``final`` is never missing meanwhile:
+    the two are exchanged in one rename and the old contents removed after (where the kernel or file
+    system cannot exchange, two renames leave a moment without ``final``)."""
+    if not os.path.exists(final):
+        os.rename(new, final)
+    elif _exchange(new, final):
+        shutil.rmtree(new, ignore_errors=True)   # now the old contents
+    else:
+        old = f"{new}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(new, final)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_text_atomic(path: str, text: str) -> None:

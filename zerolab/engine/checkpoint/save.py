@@ -33,7 +33,8 @@ import time
 import torch
 
 from zerolab.engine.checkpoint.files import (FORMAT, LATEST, MODEL_STATES, VERSION, CheckpointError, dumps, fsync_dir,
-                                          model_file, optim_file, resolve_tag, write_checked, write_text_atomic)
+                                          model_file, optim_file, replace_dir, resolve_tag, write_checked,
+                                          write_text_atomic)
 from zerolab.engine.checkpoint.state import frozen_ids, frozen_pieces, gather_state_dict, layout, owned_start, read_owned, schedule_position, state_keys
 
 MESSAGE_BYTES = 480   # an error message travels to every rank in a fixed-size tensor
@@ -183,14 +184,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_froze
                         "layout": layout(engine), "state_keys": state_keys(engine),
                         "exclude_frozen_parameters": bool(exclude_frozen_parameters), "files": everyone}
             write_text_atomic(os.path.join(tmp, "manifest.json"), dumps(manifest))
-            if os.path.exists(final):   # the same tag saved again: the old one goes only once the new is whole
-                old = os.path.join(save_dir, f".{tag}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
+            replace_dir(tmp, final)   # the same tag saved again: exchanged with the old in one rename
             fsync_dir(save_dir)
             write_text_atomic(os.path.join(save_dir, LATEST), tag + "\n")
         except OSError as e:

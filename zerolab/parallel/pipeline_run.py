@@ -1,0 +1,134 @@
+"""One training step through the pipeline: ``train_batch`` (chapter 10; ``pipeline.py`` is the overview).
+
+``train_batch(stage, mesh, batches, loss_fn, schedule_kind)`` runs this rank's
+schedule: a forward receives its input from the previous stage (the first stage
+reads the micro-batch), a backward receives its output's gradient from the next
+stage (the last stage starts from the loss). ``stage``: a stage module (plain
+autograd, gradients in ``.grad``) or an engine over it (``engine.train_batch``
+delegates here; ZeRO-0/1 reduce over the DP group at the last micro-batch, the
+optimizer steps once). With pp == 1 (``mesh`` None or ``mesh.pp == 1``) it is plain
+gradient accumulation: forward, backward, step per micro-batch.
+
+A weight tied between the first and the last stage (``stage.tied``) has a copy on
+both: before the data-parallel reduction its two local gradients are summed over
+the embedding group (``mesh.communicator("embed")``, booked under "embed"). An
+engine would reduce during the last backward, while the other stage's gradient is
+not complete (the last stage finishes first, and the first stage waits for it): so
+the last backward keeps its gradients local, the tied gradient is summed, then the
+engine's gradient buckets are reduced as that backward would have, and it steps.
+The loss returned is the mean over the micro-batches and the DP group, the same on
+every rank (broadcast from the last stage, booked under "pp"; the DP mean, a
+bookkeeping all-reduce, in ``ledger.control``). ``stage.pipeline_stats`` (or ``engine.pipeline_stats``): what the step
+measured (``pipeline_stats.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from zerolab.parallel.pipeline_schedule import P2P, schedule
+from zerolab.parallel.pipeline_stats import StepRecorder, pipeline_bubble
+
+__all__ = ["train_batch", "pipeline_bubble"]
+
+
+def _is_engine(stage) -> bool:
+    return hasattr(stage, "backward") and hasattr(stage, "gas") and hasattr(stage, "step")
+
+
+def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", dtype=None) -> float:
+    """One step over ``batches`` (a list of (inputs, targets), the same on every stage of a
+    pipeline) through the pipeline; returns the mean loss, the same on every rank. ``stage``:
+    this rank's stage module, or an engine over it (then ``len(batches)`` must be its
+    gradient_accumulation_steps). ``dtype``: of the activations passed between stages (default:
+    the engine's compute dtype, else fp32)."""
+    p, s = (mesh.pp, mesh.pp_rank) if mesh is not None else (1, 0)
+    m = len(batches)
+    engine = stage if _is_engine(stage) else None
+    if m == 0:
+        raise ValueError("train_batch: batches is empty; give one (inputs, targets) per micro-batch")
+    if engine is not None and engine.gas != m:
+        raise ValueError(f"train_batch: len(batches) = {m} micro-batches, but the engine's "
+                         f"gradient_accumulation_steps is {engine.gas}; they must be equal (one optimizer step "
+                         f"per batch list)")
+    module = engine.module if engine is not None else stage
+    tied = getattr(module, "tied", []) if p > 1 else []
+    if tied and engine is not None and not hasattr(engine, "_grad_views"):
+        raise ValueError(f"train_batch: a weight tied across pipeline stages needs ZeRO-0/1's local gradient "
+                         f"buffer; {type(engine).__name__} has none")
+    dtype = dtype or (engine.precision.compute_dtype if engine is not None else torch.float32)
+    order = schedule(schedule_kind, m, p, s)
+    link, first, last = (P2P(mesh) if p > 1 else None), s == 0, s == p - 1
+    rec = StepRecorder(module.parameters())
+    inputs, outputs, losses = {}, {}, []
+    last_b = max(k for k, (op, _) in enumerate(order) if op == "B")
+    for k, (op, i) in enumerate(order):
+        if op == "F":
+            x = batches[i][0] if first else link.recv(s - 1, dtype).requires_grad_()
+            with rec.op("F", i):
+                y = stage(x)
+                if last:
+                    y = loss_fn(y, batches[i][1])
+                    losses.append(y.detach().float())
+            if not last:
+                link.send(y, s + 1)
+            inputs[i], outputs[i] = x, y
+            continue
+        x, y = inputs.pop(i), outputs.pop(i)
+        grad = None if last else link.recv(s + 1, y.dtype)
+        defer = bool(tied) and engine is not None and k == last_b
+        with rec.op("B", i):
+            if last:
+                target = y if engine is not None else y / m   # an engine divides by its gas itself
+            else:   # an engine divides what it is given by gas: the gradient received already was
+                target = (y.float() * grad.float()).sum() * (m if engine is not None else 1)
+            if engine is None:
+                target.backward()
+            elif defer:
+                _backward_without_reducing(engine, target)
+            else:
+                engine.backward(target)
+        if not first:   # before the step: at the boundary it all-reduces the norm over the PP group too
+            link.send(x.grad, s - 1)
+        if defer:
+            _sum_tied_then_reduce(engine, mesh, tied)
+        if engine is not None:
+            engine.step()
+    if tied and engine is None:
+        params = dict(stage.named_parameters())
+        for name in tied:
+            mesh.communicator("embed").all_reduce(params[name].grad, tag="tied-grad")
+    if link is not None:
+        link.wait()
+    loss = torch.stack(losses).mean() if last else torch.zeros((), dtype=torch.float32)
+    if p > 1:
+        mesh.communicator("pp").broadcast(loss, src=p - 1, tag="pipeline-loss")
+    dp = engine.communicator if engine is not None else (mesh.communicator("dp") if mesh is not None else None)
+    if dp is not None and dp.world_size > 1:   # the mean over the DP group too: the same on every rank
+        dp.all_reduce(loss, op="avg", tag="pipeline-loss", control=True)   # bookkeeping: in ledger.control
+    stage.pipeline_stats = rec.stats()
+    return float(loss)
+
+
+def _backward_without_reducing(engine, target) -> None:
+    """The engine's last backward of the step, its gradients kept local (not reduced over DP)."""
+    engine.is_gradient_accumulation_boundary = lambda: False   # this call only (an instance attribute)
+    try:
+        engine.backward(target)
+    finally:
+        del engine.is_gradient_accumulation_boundary
+
+
+def _sum_tied_then_reduce(engine, mesh, tied) -> None:
+    """Sum the tied weight's local gradients over the embedding group, then reduce every gradient
+    bucket over the DP group, in bucket order, as the boundary backward would have."""
+    params = {n: q for u in engine.flat.units for n, q in u.params}
+    comm = mesh.communicator("embed")
+    for name in tied:
+        comm.all_reduce(engine._grad_views[id(params[name])], tag="tied-grad")
+    engine._reducing = engine._reduced_unstepped = True
+    engine.reset_buckets()
+    for u in engine.flat.units:
+        for _, q in u.params:
+            engine.grad_arrived(q)
+    engine.flush_buckets()
+    engine._reducing = False
