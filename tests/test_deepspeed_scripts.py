@@ -220,9 +220,7 @@ def _layer_kinds():
     out["logits"] = None if out["logits"] is None else tuple(out["logits"].shape)
     errors = []
     for call in (lambda: engine(data[0][0]), lambda: PipelineModule(layers, num_stages=3),
-                 lambda: PipelineModule([TiedLayerSpec("t", torch.nn.Linear, 4, 4), torch.nn.ReLU(),
-                                         TiedLayerSpec("t", torch.nn.Linear, 4, 4)], num_stages=2,
-                                        partition_method="uniform"),
+                 lambda: PipelineModule(layers, num_stages=2, topology=object()),
                  lambda: PipelineModule(layers, num_stages=2, seed_layers=True),
                  lambda: deepspeed.initialize(model=PipelineModule(layers, num_stages=2), config={
                      "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
@@ -248,6 +246,47 @@ def test_layer_kinds_and_refusals():
     e = r0["errors"]
     assert "Only train_batch() is accessible in pipeline mode" in e[0]
     assert "num_stages=3" in e[1] and "dividing the world size (2)" in e[1]
-    assert "TiedLayerSpec keys ['t'] fall on stages [[0, 1]]" in e[2]
+    assert "topology=" in e[2]
     assert "seed_layers=True" in e[3]
     assert "ZeRO-2 with pipeline parallelism" in e[4]
+
+
+def _tied_worker():
+    """A TiedLayerSpec on the first and the last stage: one Linear used twice, as DeepSpeed ties it."""
+    import zerolab.deepspeed as deepspeed
+    from zerolab.deepspeed.pipe import PipelineModule, TiedLayerSpec
+    torch.manual_seed(0)   # both stages build their copy from the same state; the first's is broadcast anyway
+    tie = dict(tied_weight_attr=["weight", "bias"])   # the whole Linear (DeepSpeed's default ties the weight only)
+    model = PipelineModule([TiedLayerSpec("t", torch.nn.Linear, 4, 4, **tie), torch.nn.Tanh(),
+                            TiedLayerSpec("t", torch.nn.Linear, 4, 4, **tie)], num_stages=2, loss_fn=torch.nn.MSELoss(),
+                           partition_method="uniform")
+    engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2,
+                                                           "gradient_accumulation_steps": 2,
+                                                           "optimizer": {"type": "SGD", "params": {"lr": 0.2}}})
+    losses = [engine.train_batch(iter(_tied_data(step))).item() for step in range(3)]
+    return {"tied": model.tied, "losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _tied_data(step):
+    g = torch.Generator().manual_seed(10 + step)
+    return [(torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)) for _ in range(2)]
+
+
+@pytest.mark.slow
+def test_tied_layer_on_first_and_last_stage_trains_like_one_process():
+    r0, r1 = zl.launch(_tied_worker, world_size=2, timeout=180, threads=1)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.2)
+    want = []
+    for step in range(3):
+        opt.zero_grad()
+        loss = sum(torch.nn.functional.mse_loss(lin(torch.tanh(lin(x))), y) for x, y in _tied_data(step)) / 2
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    assert r0["tied"] == r1["tied"] == ["tied_modules.t.weight", "tied_modules.t.bias"]
+    assert r0["losses"] == pytest.approx(want, abs=1e-6) and r1["losses"] == r0["losses"]
+    torch.testing.assert_close(r0["params"]["tied_modules.t.weight"], lin.weight.detach())
+    torch.testing.assert_close(r1["params"]["tied_modules.t.weight"], lin.weight.detach())
+    torch.testing.assert_close(r1["params"]["tied_modules.t.bias"], lin.bias.detach())

@@ -45,7 +45,8 @@ TABLE = [
      "part from the third step, by up to 2.7e-3)"),
     ("deepspeed.pipe.LayerSpec", SUPPORTED, "built only on the stage that holds it"),
     ("deepspeed.pipe.TiedLayerSpec", DIFFERS,
-     "a key must stay on one stage (tied weights across stages would need an all-reduce zerolab lacks)"),
+     "a key on one stage, or on the first and the last (the gradients summed over those two, the last copy "
+     "starting from the first's, as DeepSpeed); a key on a stage in between is refused"),
     ("PipelineModule(topology=, seed_layers=True, activation_checkpoint_interval>0, partition_method='profile')",
      REFUSED, "not implemented (DeepSpeed refuses 'profile' too)"),
     ("engine(x) / engine.backward(loss) / engine.step()", SUPPORTED,

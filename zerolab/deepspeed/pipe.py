@@ -26,8 +26,10 @@ first layer index of each stage, then the number of layers):
 DeepSpeed: ranks are placed DP-outermost (zerolab's mesh: rank = dp_rank x pp +
 stage; DeepSpeed's topology puts the pipeline outermost: rank = stage x dp +
 dp_rank) -- the same when dp or pp is 1; what passes between stages must be
-one tensor (DeepSpeed also sends tuples); a ``TiedLayerSpec`` key must stay on
-one stage (zerolab does not all-reduce tied weights across stages);
+one tensor (DeepSpeed also sends tuples); a ``TiedLayerSpec`` key must sit on
+one stage or on the first and the last (zerolab's pipeline sums a tied weight's
+gradients over those two, as DeepSpeed sums them over the stages holding it, and
+starts the last stage's copy from the first's);
 ``topology=``, ``seed_layers=True``, activation checkpointing and the
 ``"profile"`` method are refused by name.
 """
@@ -170,7 +172,7 @@ class PipelineModule(nn.Module):
         self.num_stages, self.stage_id, self.loss_fn = num_stages, self.mesh.pp_rank, loss_fn
         self.parts = partition(specs, num_stages, partition_method)
         self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
-        self._check_tied(specs)
+        tied_keys = self._check_tied(specs)
         self.tied_modules, self.forward_funcs = nn.ModuleDict(), []
         for idx in range(self._local_start, self._local_stop):
             layer = specs[idx]
@@ -188,19 +190,33 @@ class PipelineModule(nn.Module):
                 self.forward_funcs.append(layer)
             else:
                 self.forward_funcs.append(layer)
+        # what zl.initialize and zerolab's pipeline read: this is a stage already cut, and which of its
+        # weights are tied to the other end's copy (first and last stage; their gradients are summed)
+        self.pipeline_position = (self.stage_id, num_stages)
+        self.tied = [f"tied_modules.{k}.{a}" for k in tied_keys if k in self.tied_modules
+                     for a in self._tied_attrs(specs, k)]
+        self.tied_copies = list(self.tied) if self.stage_id == num_stages - 1 and self.stage_id > 0 else []
 
-    def _check_tied(self, specs):
+    def _check_tied(self, specs) -> list:
+        """The TiedLayerSpec keys shared by the first and the last stage (zerolab's pipeline sums their
+        gradients over that pair, as DeepSpeed all-reduces a tied module's over the stages holding it);
+        a key on a stage in between is refused."""
         stages = {}
         for idx, layer in enumerate(specs):
             if isinstance(layer, TiedLayerSpec):
-                stage = max(s for s in range(self.num_stages) if self.parts[s] <= idx)
-                stages.setdefault(layer.key, set()).add(stage)
-        split = {k: sorted(v) for k, v in stages.items() if len(v) > 1}
+                stages.setdefault(layer.key, set()).add(self.stage_owner(idx))
+        ends = {0, self.num_stages - 1}
+        split = {k: sorted(v) for k, v in stages.items() if len(v) > 1 and v != ends}
         if split:
             raise NotImplementedError(f"TiedLayerSpec keys {sorted(split)} fall on stages {list(split.values())}: "
-                                      f"tied weights across pipeline stages are not implemented in zerolab (their "
-                                      f"gradients would need an all-reduce between the stages); change the "
-                                      f"partition so each key stays on one stage")
+                                      f"zerolab ties weights across the first and the last pipeline stage only "
+                                      f"(its embedding group); change the partition so each key sits on one stage "
+                                      f"or on the two ends")
+        return sorted(k for k, v in stages.items() if len(v) > 1)
+
+    @staticmethod
+    def _tied_attrs(specs, key) -> list:
+        return next(l.tied_weight_attr for l in specs if isinstance(l, TiedLayerSpec) and l.key == key)
 
     def forward(self, x):
         for f in self.forward_funcs:

@@ -4,7 +4,7 @@
 micro-batches ``(inputs, labels)`` from ``data_iter`` (or from the engine's own
 loader over ``training_data``) on the first and last stages (the stages between
 read nothing, as in DeepSpeed), runs them through zerolab's pipeline
-(``zerolab.parallel.pipeline.train_batch``: 1F1B unless the config's
+(``zerolab.parallel.pipeline_run.train_batch``, what ``engine.train_batch`` runs: 1F1B unless the config's
 ``zerolab.pipeline_schedule`` says ``"gpipe"``) with the ``PipelineModule``'s
 ``loss_fn``, takes one optimizer step, and returns DeepSpeed's value: the mean
 loss over the micro-batches and the data-parallel ranks, a 0-dim float32 tensor
@@ -23,7 +23,8 @@ import torch
 
 from zerolab.deepspeed.engine import DeepSpeedEngine
 from zerolab.deepspeed.reports import GradNormHook
-from zerolab.parallel.pipeline import _P2P, train_batch as pipeline_train_batch
+from zerolab.parallel.pipeline_run import train_batch as pipeline_train_batch
+from zerolab.parallel.pipeline_schedule import P2P
 
 
 class PipelineError(Exception):
@@ -86,11 +87,12 @@ class PipelineEngine(DeepSpeedEngine):
             raise ValueError("train_batch(): the PipelineModule has no loss_fn; give PipelineModule(loss_fn=...)")
         batches = self._micro_batches(self.engine.gas, None)
         self.engine.train(True)
-        sched = getattr(self.engine.config, "pipeline_schedule", None) or "1f1b"
+        sched = self.engine.config.pipeline_schedule
         if sched == "1f1b" and self.engine.gas < self.num_stages:
             sched = "gpipe"   # 1F1B needs a micro-batch per stage; DeepSpeed runs fewer too (the same maths)
+        # engine.train_batch(batches, loss_fn) is this call on the bare engine; the hook adds the norm report
         loss = pipeline_train_batch(GradNormHook(self), self.mesh, batches, self.pipe_module.loss_fn, sched)
-        return self._dp_mean(torch.tensor(loss, dtype=torch.float32))
+        return torch.tensor(loss, dtype=torch.float32)   # already the mean over the micro-batches and DP ranks
 
     @torch.no_grad()
     def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
@@ -100,7 +102,7 @@ class PipelineEngine(DeepSpeedEngine):
         m = self.micro_batches if num_micro_batches is None else num_micro_batches
         self.engine.train(False)
         batches = self._micro_batches(m, data_iter)
-        link, first, last, s = _P2P(self.mesh), self.is_first_stage(), self.is_last_stage(), self.stage_id
+        link, first, last, s = P2P(self.mesh), self.is_first_stage(), self.is_last_stage(), self.stage_id
         dtype = self.engine.precision.compute_dtype
         outputs, logits = [], None
         for x, y in batches:

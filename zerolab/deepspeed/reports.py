@@ -67,6 +67,12 @@ class GradNormHook:
     def __getattr__(self, name):
         return getattr(self.ds.engine, name)
 
+    def __setattr__(self, name, value):   # zerolab's pipeline sets flags on the engine it drives
+        setattr(self.ds.engine, name, value)
+
+    def __delattr__(self, name):
+        delattr(self.ds.engine, name)
+
     def __call__(self, *inputs, **kwargs):
         return self.ds.engine(*inputs, **kwargs)
 
