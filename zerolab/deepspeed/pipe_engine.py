@@ -4,8 +4,10 @@
 micro-batches ``(inputs, labels)`` from ``data_iter`` (or from the engine's own
 loader over ``training_data``) on the first and last stages (the stages between
 read nothing, as in DeepSpeed), runs them through zerolab's pipeline
-(``zerolab.parallel.pipeline_run.train_batch``, what ``engine.train_batch`` runs: 1F1B unless the config's
-``zerolab.pipeline_schedule`` says ``"gpipe"``) with the ``PipelineModule``'s
+(``zerolab.parallel.pipeline_run.train_batch``, what ``engine.train_batch``
+runs, with the gradient-norm report around the step: 1F1B unless the config's
+``zerolab.pipeline_schedule`` says ``"gpipe"``, and GPipe when there are fewer
+micro-batches than stages) with the ``PipelineModule``'s
 ``loss_fn``, takes one optimizer step, and returns DeepSpeed's value: the mean
 loss over the micro-batches and the data-parallel ranks, a 0-dim float32 tensor
 on every rank. ``eval_batch`` runs the forwards only (no gradient, no step)
