@@ -176,3 +176,31 @@ def test_resume_is_bit_identical_on_three_ranks(tmp_path):
 def test_resume_is_bit_identical_full_matrix(tmp_path):
     full, resumed = run_matrix(FULL, tmp_path)
     check(FULL, full, resumed)
+
+
+def test_resume_with_more_accumulation_steps_waits_for_a_whole_window(tmp_path):
+    """Saved after 3 micro-steps with gradient_accumulation_steps 1, loaded by an engine that accumulates
+    2: the first micro-batch after the load must not step (the window has one of its two). Carrying the
+    raw micro-step count (3) would make it step after one micro-batch, with half the gradient."""
+    def build(gas):
+        model = TinyGPT.preset("micro", seed=0)
+        return model, zl.initialize(model, {"optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+                                            "gradient_accumulation_steps": gas, "zero_optimization": {"stage": 1}})
+    model, engine = build(1)
+    for i in range(3):
+        x, y = synthetic_batch(model, 2, step=i)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    engine.save_checkpoint(str(tmp_path), tag="t3")
+    model2, engine2 = build(2)
+    engine2.load_checkpoint(str(tmp_path))
+    before = {k: v.clone() for k, v in engine2.full_state_dict().items()}
+    x, y = synthetic_batch(model2, 2, step=3)
+    engine2.backward(loss_fn(engine2(x), y))
+    engine2.step()
+    assert all(torch.equal(before[k], v) for k, v in engine2.full_state_dict().items()), "stepped mid-window"
+    x, y = synthetic_batch(model2, 2, step=4)
+    engine2.backward(loss_fn(engine2(x), y))
+    engine2.step()
+    assert any(not torch.equal(before[k], v) for k, v in engine2.full_state_dict().items()), "never stepped"
+    assert engine2.global_steps == 4

@@ -289,11 +289,12 @@ def test_cli_consolidate_reads_deepspeed(tmp_path):
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "o.pt").exists()
 
 
-def test_load_checkpoint_on_a_deepspeed_folder_says_what_it_is(tmp_path):
-    """engine.load_checkpoint pointed at DeepSpeed's files names them, rather than a missing manifest."""
+def test_load_checkpoint_of_another_models_deepspeed_folder_names_the_parameter(tmp_path):
+    """engine.load_checkpoint resumes from DeepSpeed's files (tests/test_ds_checkpoint_resume.py); a
+    model that does not match them gets the parameter named, not a missing manifest."""
     from zerolab.book.models import MLP
     from zerolab.engine.checkpoint.files import CheckpointError
     engine = zl.initialize(MLP(seed=0), {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
                                          "zero_optimization": {"stage": 1}})
-    with pytest.raises(CheckpointError, match="DeepSpeed's checkpoint files, not a zerolab checkpoint"):
+    with pytest.raises(CheckpointError, match="is not in the checkpoint.*saved from another model"):
         engine.load_checkpoint(str(FIXTURES / CHECKPOINTS[0]))

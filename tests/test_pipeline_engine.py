@@ -55,8 +55,8 @@ def _worker(dp, tp, pp, stage_n, sched, tied, clip):
         mine = [(x[rows * mesh.dp_rank: rows * (mesh.dp_rank + 1)], y[rows * mesh.dp_rank: rows * (mesh.dp_rank + 1)])
                 for x, y in batches(model, step)]
         losses.append(engine.train_batch(mine, lf))
-    own = engine.full_state_dict()
-    state = gather_3d(own, tp_dims(engine.module), mesh)
+    own = engine.module.state_dict()   # this rank's stage (full_state_dict under a mesh is the whole model)
+    state = gather_3d(engine.full_state_dict(), tp_dims(engine.module), mesh)
     return {"state": state, "own": sorted(own), "losses": losses, "stats": engine.pipeline_stats,
             "bytes": {g: engine.comm.total_bytes(group=g) for g in ("dp", "tp", "pp", "embed")}}
 

@@ -4,6 +4,8 @@ model (TP shards gathered to compare); the ledger books each collective under it
 simulated nodes the TP bytes stay inside a node while the DP bytes cross."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -146,23 +148,27 @@ def test_estimate_3d_by_hand():
 
 def _checkpoint_worker(path):
     mesh = zl.mesh(dp=2, tp=2)
-    engine = zl.initialize(tensor_parallel(build(), mesh), {"optimizer": ADAM}, mesh=mesh)
-    out = []
-    for call in (lambda: engine.save_checkpoint(path), lambda: engine.load_checkpoint(path),
-                 lambda: engine.save_16bit_model(path)):
-        try:
-            call()
-            out.append(None)
-        except NotImplementedError as e:
-            out.append(str(e))
-    return out
+    engine = zl.initialize(tensor_parallel(build(), mesh), {"optimizer": ADAM, "bf16": {"enabled": True}}, mesh=mesh)
+    tag = engine.save_checkpoint(path)
+    engine.load_checkpoint(path)
+    written = engine.save_16bit_model(path, "model.pt")
+    full = engine.full_state_dict(rank0_only=True)
+    if mesh.rank:
+        return None
+    saved = torch.load(written, weights_only=True)
+    return {"files": sorted(os.listdir(tag)), "names": list(saved) == list(full),
+            "bf16": all(t.dtype == torch.bfloat16 for t in saved.values()),
+            "equal": all(torch.equal(saved[k], full[k].to(torch.bfloat16)) for k in full),
+            "shapes": {k: tuple(t.shape) for k, t in saved.items()} == {k: tuple(t.shape) for k, t in
+                                                                        build().state_dict().items()}}
 
 
-def test_checkpoints_under_tp_refused(tmp_path):
-    """Checkpoint files are named by the DP rank: under TP both DP groups would write the same files."""
+def test_checkpoints_under_tp(tmp_path):
+    """Checkpoints under TP are written per (tp, pp) coordinate (tests/test_mesh_checkpoint.py); the 16-bit
+    model file holds the whole model, original names and full shapes, written by global rank 0."""
     out = zl.launch(_checkpoint_worker, 4, args=(str(tmp_path),), timeout=120, threads=1)[0]
-    assert all(e and "not implemented yet (every DP group would write the same files)" in e for e in out), out
-    assert not list(tmp_path.iterdir())
+    assert out == {"files": ["mesh.json", "tp0_pp0", "tp1_pp0"], "names": True, "bf16": True, "equal": True,
+                   "shapes": True}, out
 
 
 def _bf16_worker(cfgs):

@@ -193,6 +193,8 @@ COMMANDS = {
     "exercises": ("list the exercises, copy them to a folder, or reset one", *_lazy("grading.grader", "exercises")),
     "consolidate": ("a sharded checkpoint (zerolab's or DeepSpeed's) -> one fp32 state dict file",
                     *_lazy("engine.checkpoint.consolidate", "consolidate")),
+    "convert": ("a checkpoint folder, zerolab's <-> DeepSpeed's (--to deepspeed|zerolab)",
+                *_lazy("engine.checkpoint.ds_convert", "convert")),
     "bench": ("time zerolab against torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed", *_lazy("bench.cli", "bench")),
 }
 

@@ -16,7 +16,11 @@ from __future__ import annotations
 import torch
 
 from zerolab.engine.bigmodel.load import load_state_dict
+from zerolab.engine.checkpoint.ds_engine import save_deepspeed
 from zerolab.engine.checkpoint.load import load_checkpoint
+from zerolab.engine.checkpoint.mesh import (is_mesh_checkpoint, load_mesh_checkpoint, save_16bit_mesh,
+                                           save_mesh_checkpoint)
+from zerolab.engine.checkpoint.mesh_state import full_state_dict as full_state_dict_3d, is_3d
 from zerolab.engine.checkpoint.save import save_16bit_model, save_checkpoint
 from zerolab.engine.checkpoint.state import consolidated_state_dict
 from zerolab.parallel.pipeline import train_batch as pipeline_train_batch
@@ -70,31 +74,37 @@ class EngineAPI:
 
     def full_state_dict(self, rank0_only: bool = False) -> dict | None:
         """Collective: the model's state dict with consolidated fp32 parameters, on every rank; with
-        ``rank0_only`` on rank 0 only (the others hold one unit at a time and get None)."""
+        ``rank0_only`` on rank 0 only (the others hold one unit at a time and get None). Under a 3D
+        mesh: gathered over TP, PP and DP, original names and full shapes (checkpoint/mesh_state.py)."""
+        if is_3d(self):
+            return full_state_dict_3d(self, rank0_only)
         return consolidated_state_dict(self, rank0_only)
 
     # ---------------------------------------------------------------- checkpoints (chapter 8)
-    def _whole_model_only(self, what: str) -> None:
-        """Checkpoints name files by the DP rank: under TP/PP every DP group would write the same ones."""
-        mesh = getattr(self, "mesh", None)
-        if mesh is not None and mesh.tp * mesh.pp > 1:
-            raise NotImplementedError(f"{what} under {mesh}: checkpoints of a TP/PP-split model are not implemented "
-                                      f"yet (every DP group would write the same files); use zerolab.parallel.gather_3d")
-
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False) -> str:
-        """Collective: save to ``save_dir/<tag>`` (default ``global_step{N}``), atomically (checkpoint/save.py)."""
-        self._whole_model_only("save_checkpoint")
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False,
+                        format="zerolab") -> str:
+        """Collective: save to ``save_dir/<tag>`` (default ``global_step{N}``), atomically (checkpoint/save.py;
+        under a 3D mesh, one folder per (tp, pp) coordinate and ``mesh.json``: checkpoint/mesh.py);
+        ``format="deepspeed"``: DeepSpeed's ZeRO files (checkpoint/ds_engine.py; not under a 3D mesh)."""
+        if format != "zerolab":
+            if is_3d(self):
+                raise NotImplementedError(f"save_checkpoint(format={format!r}) under a 3D mesh: zerolab's only")
+            return save_deepspeed(self, save_dir, tag, client_state, exclude_frozen_parameters, format)
+        if is_3d(self):
+            return save_mesh_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters)
         return save_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
-        """Collective: load ``load_dir/<tag>`` (default: ``latest``), at any world size and stage;
-        returns ``(path, client_state)``, ``(None, None)`` if there is no checkpoint (checkpoint/load.py)."""
-        self._whole_model_only("load_checkpoint")
+        """Collective: load ``load_dir/<tag>`` (default: ``latest``), at any world size and stage, and any
+        mesh (checkpoint/mesh.py); returns ``(path, client_state)``, ``(None, None)`` if there is none."""
+        if is_3d(self) or is_mesh_checkpoint(load_dir, tag):
+            return load_mesh_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
     def save_16bit_model(self, save_dir, filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Collective: rank 0 writes the whole model in its compute dtype (gathered at stage 3)."""
-        self._whole_model_only("save_16bit_model")
+        if is_3d(self):   # the whole model from every (tp, pp) coordinate, written by global rank 0
+            return save_16bit_mesh(self, save_dir, filename)
         return save_16bit_model(self, save_dir, filename, exclude_frozen_parameters)
 
     def load_state_dict(self, state_dict_or_path, strict: bool = True):

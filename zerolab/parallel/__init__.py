@@ -5,15 +5,19 @@ shards a converted model over the mesh's DP group like any other model.
 
 Files: ``ops`` (the conjugate operators f and g, the vocabulary-parallel
 cross-entropy), ``layers`` (column- and row-parallel linear layers, the
-vocabulary-parallel embedding), ``plan`` (``tensor_parallel``: a plan of
+vocabulary-parallel embedding), ``sequence`` (sequence parallelism wired into
+a converted model), ``plan`` (``tensor_parallel``: a plan of
 globs over module names; ``tp_dims`` / ``gather_tp``: the full state back),
 ``pipeline`` (``pipeline_stage``, the GPipe and 1F1B schedules, ``train_batch``).
 """
 from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from zerolab.parallel.ops import copy_to_tp, gather_from_tp, reduce_from_tp, vocab_parallel_cross_entropy
+from zerolab.parallel.ops import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
+                                  reduce_scatter_to_sequence, scatter_to_sequence, vocab_parallel_cross_entropy)
 from zerolab.parallel.pipeline import pipeline_stage, schedule, split_blocks, train_batch
-from zerolab.parallel.plan import GPT_PLAN, HF_GPT2_PLAN, gather_3d, gather_tp, tensor_parallel, tp_dims
+from zerolab.parallel.sequence import sequence_parallel_params
+from zerolab.parallel.plan import GPT_PLAN, GPT_SP_PLAN, HF_GPT2_PLAN, gather_3d, gather_tp, tensor_parallel, tp_dims
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_tp", "reduce_from_tp",
-           "gather_from_tp", "vocab_parallel_cross_entropy", "GPT_PLAN", "HF_GPT2_PLAN", "tensor_parallel", "tp_dims", "gather_tp", "gather_3d",
+           "gather_from_tp", "vocab_parallel_cross_entropy", "gather_from_sequence", "reduce_scatter_to_sequence",
+           "scatter_to_sequence", "sequence_parallel_params", "GPT_SP_PLAN", "GPT_PLAN", "HF_GPT2_PLAN", "tensor_parallel", "tp_dims", "gather_tp", "gather_3d",
            "pipeline_stage", "schedule", "split_blocks", "train_batch"]

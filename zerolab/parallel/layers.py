@@ -16,6 +16,11 @@ Each layer records which dimension of each parameter is split in
 ``tp_dims`` (``{"weight": (dim, parts), ...}``; parts > 1 for a fused
 q|k|v); a parameter not listed is replicated. Hugging Face's ``Conv1D``
 (GPT-2) is converted as the ``nn.Linear`` it is, transposed.
+Sequence parallelism (``sequence_parallel`` set by ``tensor_parallel(...,
+sequence_parallel=True)``): a column-parallel layer all-gathers its
+sequence-split input (``"gather"``) or reads an input its parent already
+gathered (``"gathered"``: an attention module's q, k, v); a row-parallel
+layer and the embedding reduce-scatter their sum along the sequence.
 Attention heads: split q, k, v column-wise and each rank computes
 ``n_head/tp`` whole heads; the output projection is row-parallel.
 """
@@ -25,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerolab.parallel.ops import copy_to_tp, gather_from_tp, reduce_from_tp
+from zerolab.parallel.ops import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
+                                  reduce_scatter_to_sequence)
 
 
 def shard(t: torch.Tensor, dim: int, comm, parts: int = 1) -> torch.Tensor:
@@ -72,9 +78,12 @@ class ColumnParallelLinear(nn.Module):
     """``y[..., rows of this rank] = x W_rᵀ + b_r`` (f before it). ``parts=3``: the rows are a fused
     q|k|v and each rank keeps its rows of each (its heads' q, k and v: GPT-2's ``c_attn``)."""
 
+    sequence_parallel = False   # or "gather" / "gathered" (module docstring)
+
     def __init__(self, linear: nn.Linear, comm, gather_output: bool = False, memo=None, name="linear",
                  parts: int = 1):
         super().__init__()
+        self.tp_name = name
         _check_divides("out_features", linear.out_features // parts, comm, name)
         memo = {} if memo is None else memo
         self.comm, self.gather_output, self.parts = comm, gather_output, parts
@@ -83,8 +92,16 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _split_param(linear.weight, 0, comm, memo, parts)
         self.bias = None if linear.bias is None else _split_param(linear.bias, 0, comm, memo, parts)
 
+    def tp_shapes(self) -> dict:
+        """This rank's shape of each split parameter (also once ZeRO-3 has released its values)."""
+        return {"weight": (self.out_features, self.in_features), "bias": (self.out_features,)}
+
     def forward(self, x):
-        y = F.linear(copy_to_tp(x, self.comm), self.weight, self.bias)
+        if self.sequence_parallel == "gather":
+            x = gather_from_sequence(x, self.comm, self.tp_name)
+        elif not self.sequence_parallel:
+            x = copy_to_tp(x, self.comm)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_tp(y, self.comm) if self.gather_output else y
 
     def extra_repr(self):
@@ -96,9 +113,11 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``y = g(x_r W_rᵀ) + b``: ``x_r`` this rank's slice of the input features."""
     tp_dims = {"weight": (1, 1)}
+    sequence_parallel = False   # True: the sum reduce-scattered along the sequence
 
     def __init__(self, linear: nn.Linear, comm, memo=None, name="linear"):
         super().__init__()
+        self.tp_name = name
         _check_divides("in_features", linear.in_features, comm, name)
         memo = {} if memo is None else memo
         self.comm = comm
@@ -106,8 +125,13 @@ class RowParallelLinear(nn.Module):
         self.weight = _split_param(linear.weight, 1, comm, memo)
         self.bias = linear.bias   # replicated: added once, after the sum
 
+    def tp_shapes(self) -> dict:
+        return {"weight": (self.out_features, self.in_features)}
+
     def forward(self, x):
-        y = reduce_from_tp(F.linear(x, self.weight), self.comm)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sequence(y, self.comm, self.tp_name) if self.sequence_parallel else \
+            reduce_from_tp(y, self.comm)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
@@ -118,9 +142,11 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """An ``nn.Embedding`` whose rows (the vocabulary) are split over the TP ranks."""
     tp_dims = {"weight": (0, 1)}
+    sequence_parallel = False   # True: the sum reduce-scattered along the sequence
 
     def __init__(self, emb: nn.Embedding, comm, memo=None, name="embedding"):
         super().__init__()
+        self.tp_name = name
         _check_divides("the vocabulary (num_embeddings)", emb.num_embeddings, comm, name)
         if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
             raise ValueError(f"{name}: a vocabulary-parallel embedding supports no padding_idx, max_norm or "
@@ -132,11 +158,16 @@ class VocabParallelEmbedding(nn.Module):
         self.start = comm.rank * self.num_embeddings
         self.weight = _split_param(emb.weight, 0, comm, memo)
 
+    def tp_shapes(self) -> dict:
+        return {"weight": (self.num_embeddings, self.embedding_dim)}
+
     def forward(self, idx):
         local = idx - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.comm, self.tp_name)
         return reduce_from_tp(out, self.comm)
 
     def extra_repr(self):

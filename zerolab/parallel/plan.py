@@ -9,7 +9,14 @@ style:
   ``"colwise_qkv"``: a fused q|k|v, each of the three split (this rank's heads);
 * ``"rowwise"`` — an ``nn.Linear`` split by input features (its input must be
   a column-parallel layer's slice), output summed over the TP group;
-* ``"vocab"`` — an ``nn.Embedding`` split by vocabulary rows.
+* ``"vocab"`` — an ``nn.Embedding`` split by vocabulary rows;
+* ``"sequence"`` (only with ``sequence_parallel=True``) — any module, kept
+  whole; its output keeps this rank's rows of the sequence (a position
+  embedding: ``parallel/sequence.py``).
+
+``sequence_parallel=True`` adds Megatron-LM's sequence parallelism
+(``parallel/sequence.py``); with the default plan it adds ``GPT_SP_PLAN``
+(TinyGPT's ``wpe`` as ``"sequence"``).
 
 ``GPT_PLAN`` (the default) converts ``zerolab.book.models.TinyGPT``: q, k, v
 and the MLP's ``fc`` column-wise, the attention's ``proj`` and the MLP's
@@ -36,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, as_linear, unshard
+from zerolab.parallel.sequence import wire
 
 GPT_PLAN = {
     "wte": "vocab",
@@ -51,8 +59,9 @@ HF_GPT2_PLAN = {
     "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
     "lm_head": "colwise",
 }
+GPT_SP_PLAN = {"wpe": "sequence"}   # added to GPT_PLAN under sequence_parallel=True
 STYLES = {"colwise": "Linear", "colwise_gather": "Linear", "colwise_qkv": "Linear", "rowwise": "Linear",
-          "vocab": "Embedding"}
+          "vocab": "Embedding", "sequence": None}
 HEAD_ATTRS = ("n_head", "num_heads", "split_size")   # divided by tp where a child is split column-wise
 
 
@@ -87,14 +96,19 @@ def _convert(module, style, comm, memo, name):
                                 name=name, parts=3 if style == "colwise_qkv" else 1)
 
 
-def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None) -> nn.Module:
+def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None, sequence_parallel: bool = False) -> nn.Module:
     """Replace, in place, each module of ``model`` whose dotted name matches a glob of ``plan``
     (default ``GPT_PLAN``) by its tensor-parallel form over ``mesh``'s TP group; returns ``model``.
-    Every rank must call it with the same model (the values are sliced, not communicated)."""
-    plan = GPT_PLAN if plan is None else plan
+    Every rank must call it with the same model (the values are sliced, not communicated).
+    ``sequence_parallel``: activations between the TP regions split along the sequence (module docstring)."""
+    if plan is None:
+        plan = {**GPT_PLAN, **GPT_SP_PLAN} if sequence_parallel else GPT_PLAN
     bad = {g: s for g, s in plan.items() if s not in STYLES}
     if bad:
         raise ValueError(f"tensor_parallel: unknown style(s) {bad}; choose from {sorted(STYLES)}")
+    if not sequence_parallel and "sequence" in plan.values():
+        raise ValueError(f"tensor_parallel: style 'sequence' ({[g for g, s in plan.items() if s == 'sequence']}) "
+                         f"needs sequence_parallel=True")
     comm = mesh.communicator("tp")
     tp, used, memo = comm.world_size, set(), {}
     targets = [(n, m, s) for n, m in model.named_modules() if n and (s := _style_of(n, plan, used))]
@@ -112,36 +126,63 @@ def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None) -> nn.Modu
                 if getattr(m, attr) % tp:
                     raise ValueError(f"tensor_parallel: tp={tp} does not divide {attr}={getattr(m, attr)} of {n!r}")
                 heads.setdefault(n, (m, []))[1].append(attr)
-    new = [(n, _convert(m, s, comm, memo, n)) for n, m, s in targets]   # all built (and checked) first
+    seq = [n for n, _, s in targets if s == "sequence"]
+    new = [(n, _convert(m, s, comm, memo, n)) for n, m, s in targets if s != "sequence"]   # all built first
     for n, layer in new:
         parent, _, attr = n.rpartition(".")
         setattr(model.get_submodule(parent), attr, layer)
     for m, attrs in heads.values():
         for attr in attrs:
             setattr(m, attr, getattr(m, attr) // tp)
+    if sequence_parallel:
+        wire(model, comm, heads, seq)
     return model
+
+
+class TPDims(dict):
+    """``tp_dims``'s answer: ``{name: (dim, parts)}``, plus ``local_shapes`` (this TP rank's shape of each,
+    where the parameter holds its values) and ``tp`` — so ``gather_tp`` can tell a slice from a tensor
+    already whole (``engine.full_state_dict()`` under a mesh gathers over TP itself) and pass it through."""
+    local_shapes: dict
+    tp: int
 
 
 def tp_dims(model: nn.Module) -> dict:
     """``{parameter name: (split dimension, parts)}`` for every tensor-parallel parameter of
     ``model`` (names as ``model.named_parameters(remove_duplicate=False)`` gives them; parts > 1:
     a fused q|k|v, each block split)."""
-    out = {}
+    out, shapes, tp = TPDims(), {}, 1
     for mname, m in model.named_modules(remove_duplicate=False):
         for pname, dim in getattr(m, "tp_dims", {}).items():
-            if getattr(m, pname, None) is not None:
-                out[f"{mname}.{pname}".lstrip(".")] = dim
+            p = getattr(m, pname, None)
+            if p is not None:
+                name = f"{mname}.{pname}".lstrip(".")
+                out[name] = dim
+                local = m.tp_shapes().get(pname) if hasattr(m, "tp_shapes") else None   # ZeRO-3 may have
+                shapes[name] = tuple(local) if local is not None else tuple(p.shape)   # released the values
+                tp = getattr(getattr(m, "comm", None), "world_size", tp)
+    out.local_shapes, out.tp = shapes, tp
     return out
+
+
+def _already_whole(name, t, dims) -> bool:
+    local = getattr(dims, "local_shapes", {}).get(name)
+    if local is None or tuple(t.shape) == local:
+        return False
+    full = list(local)
+    full[dims[name][0]] *= dims.tp
+    return tuple(t.shape) == tuple(full)
 
 
 def gather_tp(state: dict, dims: dict, mesh) -> dict:
     """``state`` (name -> tensor, this TP rank's slices) with every name in ``dims`` all-gathered
     over the TP group along its dimension: full shapes, as before ``tensor_parallel``. A collective
-    over the TP group, in ``state``'s order: every rank passes the same names."""
+    over the TP group, in ``state``'s order: every rank passes the same names. A tensor already whole
+    (``engine.full_state_dict()`` under a mesh: its full shape, per ``tp_dims``) is passed through."""
     comm = mesh.communicator("tp")
     out = {}
     for name, t in state.items():
-        if name not in dims or comm.world_size == 1:
+        if name not in dims or comm.world_size == 1 or _already_whole(name, t, dims):
             out[name] = t
             continue
         t = t.detach().contiguous()
@@ -154,7 +195,8 @@ def gather_tp(state: dict, dims: dict, mesh) -> dict:
 
 def gather_3d(state: dict, dims: dict, mesh) -> dict:
     """The whole model's state on every rank, as before ``tensor_parallel`` and ``pipeline_stage``:
-    this stage's ``state`` (e.g. ``engine.full_state_dict()``, already whole over DP) with its TP
+    this stage's ``state`` (a plain stage's ``state_dict()``; ``engine.full_state_dict()`` under a mesh is
+    already whole over DP, TP and PP, and passes through unchanged) with its TP
     slices joined (``gather_tp``), then every PP stage's names merged (an all-gather of the stages'
     dicts over the PP group; a collective on every rank, not booked in the ledger)."""
     state = gather_tp(state, dims, mesh)

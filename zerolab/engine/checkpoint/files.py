@@ -140,9 +140,9 @@ def read_manifest(tag_dir: str) -> dict:
     path = os.path.join(tag_dir, MANIFEST)
     if not os.path.exists(path):
         if any(n.endswith("_optim_states.pt") or n.endswith("_model_states.pt") for n in os.listdir(tag_dir)):
-            raise CheckpointError(f"{tag_dir!r} holds DeepSpeed's checkpoint files, not a zerolab checkpoint: "
-                                  f"engine.load_checkpoint does not resume from them; `python -m zerolab "
-                                  f"consolidate` reads their fp32 weights, which engine.load_state_dict loads")
+            raise CheckpointError(f"{tag_dir!r} holds files named as DeepSpeed's but not a set engine.load_checkpoint "
+                                  f"can resume from (it resumes DeepSpeed's stage 1-3 folders whose model states "
+                                  f"it can read); `python -m zerolab consolidate` reads their fp32 weights")
         raise CheckpointError(f"{path}: missing; {tag_dir!r} is not a complete zerolab checkpoint (a save "
                               f"that did not finish leaves no manifest)")
     try:

@@ -18,6 +18,7 @@ import torch
 
 from zerolab.engine.checkpoint.save import agree
 from zerolab.engine.bigmodel.load import load_frozen_shards
+from zerolab.engine.checkpoint.ds_universal import open_deepspeed, universal_tag
 from zerolab.engine.checkpoint.files import CheckpointError, check_tag_dir, optim_file, read_manifest, resolve_tag
 from zerolab.engine.checkpoint.reshard import SavedCheckpoint, check_compatible, fill_owned
 from zerolab.engine.checkpoint.state import ShiftedSchedule, layout, owned_start, state_keys, write_owned
@@ -28,14 +29,13 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True, load
     or ``(None, None)`` with a warning when ``load_dir`` holds no checkpoint. ``engine.checkpoint_stats``
     then says how many bytes this rank copied out of the files and how many it had mapped."""
     load_dir = os.fspath(load_dir)
-    tag = resolve_tag(load_dir, tag)
+    tag = universal_tag(load_dir, resolve_tag(load_dir, tag))   # DeepSpeed's universal: latest_universal
     if tag is None:
         warnings.warn(f"load_checkpoint: {load_dir!r} has no 'latest' file, so no checkpoint to load; the "
                       f"engine keeps its current state (returning (None, None))", stacklevel=3)
         return None, None
     tag_dir = check_tag_dir(load_dir, tag)
-    manifest = read_manifest(tag_dir)
-    saved = SavedCheckpoint(tag_dir, manifest)
+    saved = open_deepspeed(tag_dir) or SavedCheckpoint(tag_dir, read_manifest(tag_dir))   # DeepSpeed's files too
     error, client_state, t0 = None, None, time.perf_counter()
     try:
         check_compatible(saved, layout(engine))
@@ -79,7 +79,9 @@ def _load_state(engine, saved: SavedCheckpoint, with_optimizer: bool, with_sched
             engine.own(engine.flat.flat, u).copy_(values["fp32"])
     del scratch, values
     _load_module_extras(engine, saved)
-    engine.global_steps, engine.micro_steps = rec["global_steps"], rec["micro_steps"]
+    # saved at a window's end; counted in this engine's windows (its accumulation steps may differ)
+    windows = rec["micro_steps"] // max(1, rec.get("gradient_accumulation_steps", 1))
+    engine.global_steps, engine.micro_steps = rec["global_steps"], windows * engine.gas
     engine.skipped_steps = rec["skipped_steps"]
     opt.step_count = rec["optimizer"]["step_count"] if with_optimizer else 0
     # steps each parameter sat out (no gradient on any rank, engine/unused.py): its own Adam t

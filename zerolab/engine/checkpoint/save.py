@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from zerolab.engine.checkpoint.ds_save import optimizer_record
 from zerolab.engine.checkpoint.files import (FORMAT, LATEST, MODEL_STATES, VERSION, CheckpointError, dumps, fsync_dir,
                                           model_file, optim_file, replace_dir, resolve_tag, write_checked,
                                           write_text_atomic)
@@ -92,7 +93,8 @@ def engine_record(engine) -> dict:
             "gradient_accumulation_steps": engine.gas, "global_steps": engine.global_steps,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
             "optimizer": {"type": opt.kind, "step_count": opt.step_count,
-                          "skipped": dict(getattr(opt, "math", opt).skipped)},   # steps a parameter sat out
+                          "skipped": dict(getattr(opt, "math", opt).skipped),   # steps a parameter sat out
+                          "hyper": optimizer_record(engine)},   # what DeepSpeed's files need (ds_save.py)
             "offload_optimizer": engine.config.zero.offload_optimizer.device,
             "scheduler": None if sched is None else {"type": type(getattr(sched, "schedule", sched)).__name__,
                                                      "position": schedule_position(engine)},
