@@ -23,7 +23,7 @@ TABLE = [
     ("deepspeed.initialize(mpu=..., mesh_param=...)", REFUSED,
      "Megatron-style model-parallel units; zerolab's tensor and pipeline parallelism is zerolab.parallel"),
     ("deepspeed.initialize(training_data=...)", SUPPORTED,
-     "DeepSpeed's batch order (DistributedSampler, shuffle, seed 0, padding) and its 2 loader workers, "
+     "DeepSpeed's batch order (DistributedSampler, shuffled with random seed 0, padded) and its 2 loader workers, "
      "inside zl.launch too"),
     ("deepspeed.init_distributed", DIFFERS,
      "without a launcher's environment a one-rank group starts (DeepSpeed tries MPI discovery)"),
