@@ -37,6 +37,9 @@ TABLE = [
      "an edit made with modifier_rank after initialize is kept (DeepSpeed's next step overwrites it from its "
      "fp32 partition); before initialize both agree"),
     ("deepspeed.utils.RepeatingLoader", SUPPORTED, "restarts the loader when it runs out"),
+    ("deepspeed.utils.set_z3_leaf_modules / unset_z3_leaf_modules / get_z3_leaf_modules", SUPPORTED,
+     "the marked module is one ZeRO-3 unit, gathered whole on every rank (an MoE block whose experts may get "
+     "no tokens); zerolab's own default units already keep experts inside their block"),
     ("deepspeed.pipe.PipelineModule", DIFFERS,
      "partition_method parameters, uniform, type:REGEX as DeepSpeed cuts; ranks placed DP-outermost (DeepSpeed: "
      "pipeline-outermost; the same when dp or pp is 1); one tensor between stages; ZeRO-0/1 only; clipping uses "
