@@ -1,4 +1,4 @@
-"""What a gloo collective allocates beyond its tensors, measured (issue 28's working set; README's sweep).
+"""What a gloo collective allocates beyond its tensors, measured (the sweep's working set; README's sweep).
 
 The sweep's "rest" of the peak at stages 2-3 holds more than the activations and the engine's
 own buffers. One part is the backend's: gloo allocates scratch memory inside some collectives,
