@@ -25,6 +25,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,8 +104,8 @@ def assert_params_close(got: dict, want: dict, atol: float = 1e-5):
     assert worst <= atol, f"parameters differ by up to {worst:.3g} (tolerance {atol:g})"
 
 
-def check_like_one_process(results, workers=0):
-    """``workers``: loader processes per rank -- 0 in a zl.launch rank (daemonic), DeepSpeed's 2 elsewhere."""
+def check_like_one_process(results, workers=2):
+    """``workers``: loader processes per rank -- DeepSpeed's 2, in a zl.launch rank (not daemonic) too."""
     world = len(results)
     for r, res in enumerate(results):
         assert res["rank"] == r and res["world_size"] == world and res["local_rank"] == r == res["args_local_rank"]
@@ -163,11 +164,11 @@ def _free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_the_script_runs_as_a_script(tmp_path, launcher):
-    """``python script.py`` (one rank, started by init_distributed) and ``torchrun``: not daemonic, so the
-    loader starts DeepSpeed's 2 worker processes per rank."""
+    """``python script.py`` (one rank, started by init_distributed) and ``torchrun``: the loader starts
+    DeepSpeed's 2 worker processes per rank there too."""
     cfg = write(tmp_path, ds_config(3))
     results = run_script(cfg, tmp_path, [] if launcher == "python" else torchrun(), "zerolab.deepspeed")
-    check_like_one_process(results, workers=2)
+    check_like_one_process(results)
 
 
 # ---------------------------------------------------------------- the same script under DeepSpeed itself
@@ -184,7 +185,7 @@ def test_same_script_under_deepspeed_gives_the_same_batches_and_parameters(tmp_p
         for key in ("global_steps", "global_samples", "lr", "stage", "micro", "gas", "boundary", "local_rank",
                     "args_local_rank", "device", "loader_len"):
             assert ours[r][key] == theirs[r][key], key
-        assert theirs[r]["workers"] == 2 and ours[r]["workers"] == 0   # the one documented difference
+        assert theirs[r]["workers"] == ours[r]["workers"] == 2   # DeepSpeed's loader workers, in zl.launch too
         assert_params_close(ours[r]["initial"], theirs[r]["initial"], atol=0)
         assert_params_close(ours[r]["final"], theirs[r]["final"])
         assert max(abs(a - b) for a, b in zip(ours[r]["losses"], theirs[r]["losses"])) < 1e-5
@@ -290,8 +291,11 @@ def _surface(save_dir):
         lrs.append(lr_scheduler.get_lr())
         assert engine.get_lr() == lrs[-1] == [optimizer.param_groups[0]["lr"]]
     assert engine.global_steps == 2 and lr_scheduler.last_batch_iteration == 1
+    assert engine.get_global_grad_norm() > 0   # the last step's norm before clipping (DeepSpeed's ZeRO-2 reports it)
+    assert engine.was_step_applied() and engine.get_batch_info() == (MICRO * GAS * WORLD, MICRO, GAS)
+    assert engine.optimizer_name() == "adamw"   # the config's type, lower case, as DeepSpeed
     for call, match in ((lambda: lr_scheduler.step(), "lr_scheduler.step"), (lambda: optimizer.step(), "engine.step"),
-                        (lambda: engine.train_batch(), "train_batch"), (lambda: engine.get_global_grad_norm(), "norm"),
+                        (lambda: engine.train_batch(), "train_batch.*PipelineModule"),
                         (lambda: engine.save_checkpoint(save_dir, save_latest=False), "latest")):
         with pytest.raises(NotImplementedError, match=match):
             call()
@@ -327,6 +331,48 @@ def _surface(save_dir):
 def test_the_engine_answers_deepspeeds_calls(tmp_path):
     lrs = zl.launch(_surface, world_size=WORLD, args=(str(tmp_path / "ckpt"),), timeout=180)
     assert lrs[0] == lrs[1] and all(isinstance(lr, list) and len(lr) == 1 for lr in lrs[0])
+
+
+class _Pids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return os.getpid()
+
+
+def _rank_with_loader_workers(fail: bool):
+    """A zl.launch rank iterating a DataLoader with 2 worker processes; rank 1 fails mid-epoch when told."""
+    it = iter(torch.utils.data.DataLoader(_Pids(), batch_size=4, num_workers=2))
+    pids = sorted({int(p) for _ in range(4) for p in next(it)})
+    if fail and torch.distributed.get_rank() == 1:
+        with open(os.environ["ZL_TEST_PIDS"], "w") as f:
+            f.write(" ".join(map(str, pids)))
+        raise ValueError("planted failure with live loader workers")
+    torch.distributed.barrier()   # rank 0 is blocked here when rank 1 fails: launch must kill it
+    return pids
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_loader_workers_start_inside_launch_and_die_with_a_failed_rank(tmp_path, monkeypatch):
+    results = zl.launch(_rank_with_loader_workers, world_size=2, args=(False,), timeout=120, threads=1)
+    assert all(len(pids) == 2 and os.getpid() not in pids for pids in results)   # two worker processes each
+    monkeypatch.setenv("ZL_TEST_PIDS", str(tmp_path / "pids"))
+    with pytest.raises(zl.LaunchError, match="planted failure"):
+        zl.launch(_rank_with_loader_workers, world_size=2, args=(True,), timeout=120, threads=1)
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    deadline = time.monotonic() + 15   # PyTorch's worker watchdog polls its parent every 5 s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "loader workers outlived their failed rank"
 
 
 def test_repeating_loader_restarts():

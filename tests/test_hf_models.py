@@ -329,3 +329,18 @@ def test_two_backward_calls_before_one_step_sum_like_torch():
     report = {s: r if isinstance(r, str) else "max diff %.3g" % max_diff(r, want)[0] for s, r in got.items()}
     print("two backward calls:", report)
     assert all(not isinstance(r, str) and max_diff(r, want)[0] <= TOL for r in got.values()), report
+
+
+def test_deepspeeds_leaf_call_marks_what_find_units_honours():
+    """``zerolab.deepspeed.utils.set_z3_leaf_modules`` (DeepSpeed's name) marks the block; the units follow."""
+    from zerolab.deepspeed.utils import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules
+    from zerolab.engine.flat import find_units
+    model = build("switch", SWITCH_SEED)
+    split = [n for n, _ in find_units(model, hf_util.UNITS["switch"])]
+    marked = set_z3_leaf_modules(model, ["SwitchTransformersSparseMLP"])
+    assert marked and get_z3_leaf_modules(model) == marked
+    leafy = [n for n, _ in find_units(model, hf_util.UNITS["switch"])]
+    assert not any(".experts." in n for n in leafy) and any(".experts." in n for n in split), (split, leafy)
+    assert unset_z3_leaf_modules(model, ["SwitchTransformersSparseMLP"]) == marked and not get_z3_leaf_modules(model)
+    with pytest.raises(ValueError, match="no module of"):
+        set_z3_leaf_modules(model, ["NoSuchBlock"])

@@ -12,25 +12,33 @@ with the sampler's epoch left where the script set it (DeepSpeed never calls
 ``loader.data_sampler.set_epoch(epoch)``). This loader does the same, so both
 libraries feed a rank the same samples in the same order.
 
-One difference: DeepSpeed starts ``2 x`` (devices per rank = 1) worker
-processes by default. A rank of ``zl.launch`` is a daemonic process, which
-Python forbids to have children (``AssertionError: daemonic processes are not
-allowed to have children``), so there the default is 0 workers (the batches
-are the same; only who builds them changes). Elsewhere (``torchrun``, a plain
-``python script.py``) the default is DeepSpeed's 2.
+Workers: DeepSpeed starts ``2 x`` (devices per rank = 1) loader worker
+processes by default, and so does this loader, under ``torchrun``, ``python
+script.py`` and inside ``zl.launch`` alike (its ranks are not daemonic
+processes). Only a daemonic process -- which Python forbids to have children
+(``AssertionError: daemonic processes are not allowed to have children``) --
+gets 0 workers by default, with a warning (the batches are the same; only who
+builds them changes), and an explicit ``num_local_io_workers > 0`` there is
+refused by name.
 """
 from __future__ import annotations
 
 import math
 import multiprocessing
+import warnings
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 
 def default_workers() -> int:
-    """DeepSpeed's ``2 * device_count`` (1 device per rank), or 0 inside a daemonic process."""
-    return 0 if multiprocessing.current_process().daemon else 2
+    """DeepSpeed's ``2 * device_count`` (1 device per rank), or 0 (with a warning) inside a daemonic process."""
+    if multiprocessing.current_process().daemon:
+        warnings.warn("DeepSpeedDataLoader: this process is daemonic and cannot start loader worker processes; "
+                      "loading in the main process (num_local_io_workers=0) instead of DeepSpeed's 2 workers. "
+                      "The batches are the same", UserWarning, stacklevel=3)
+        return 0
+    return 2
 
 
 class DeepSpeedDataLoader:
@@ -48,7 +56,7 @@ class DeepSpeedDataLoader:
         self.num_local_io_workers = default_workers() if num_local_io_workers is None else num_local_io_workers
         if self.num_local_io_workers and multiprocessing.current_process().daemon:
             raise ValueError(f"num_local_io_workers={self.num_local_io_workers}: this rank is a daemonic "
-                             f"process (a zl.launch rank), which cannot start worker processes; use 0")
+                             f"process which cannot start worker processes; use 0")
         self.dataloader_drop_last = bool(drop_last)
         # DeepSpeed pins memory; on a machine without CUDA pinning only warns, so it is left off there
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from zerolab.deepspeed.reports import StepReports
+
 
 def _refuse(call: str, instead: str):
     raise NotImplementedError(f"zerolab.deepspeed: {call} is not supported; {instead}")
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(StepReports):
     def __init__(self, engine, training_dataloader=None, local_rank: int = 0, has_optimizer: bool = True):
         d = self.__dict__   # set directly: __getattr__ forwards only what is not here
         d["engine"], d["training_dataloader"], d["local_rank"] = engine, training_dataloader, local_rank
@@ -46,7 +48,9 @@ class DeepSpeedEngine:
         self._need_optimizer("step")
         if lr_kwargs is not None:
             _refuse("engine.step(lr_kwargs=...)", "the config's \"scheduler\" sets the learning rate")
+        self._before_step()
         self.engine.step()
+        self._after_step()
 
     def _need_optimizer(self, call):
         if self.optimizer is None:   # DeepSpeed asserts the same
@@ -103,10 +107,6 @@ class DeepSpeedEngine:
     def get_mom(self):
         key = "momentum" if self.engine.config.optimizer.type == "sgd" else "betas"
         return [g[key] for g in self.optimizer.param_groups] if self.optimizer else []
-
-    def get_global_grad_norm(self):
-        _refuse("engine.get_global_grad_norm()", "zerolab's engine computes the norm only to clip, inside "
-                "step(), and does not keep it")
 
     def zero_optimization_stage(self):
         return self.engine.stage
@@ -173,11 +173,11 @@ class DeepSpeedEngine:
         yield
 
     def train_batch(self, data_iter=None):
-        _refuse("engine.train_batch() (DeepSpeed's pipeline engine)", "call engine(x), engine.backward(loss), "
-                "engine.step() per micro-batch; zerolab's pipeline stages are zerolab.parallel (chapter 10)")
+        _refuse("engine.train_batch() without a PipelineModule", "build the model as deepspeed.pipe.PipelineModule "
+                "(as DeepSpeed requires), or call engine(x), engine.backward(loss), engine.step() per micro-batch")
 
     def eval_batch(self, data_iter, *args, **kwargs):
-        _refuse("engine.eval_batch() (DeepSpeed's pipeline engine)", "under torch.no_grad() call engine(x)")
+        _refuse("engine.eval_batch() without a PipelineModule", "under torch.no_grad() call engine(x)")
 
     def __getattr__(self, name):
         for owner in (self.__dict__["engine"], self.__dict__["engine"].module):

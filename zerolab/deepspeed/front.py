@@ -7,8 +7,9 @@ lr_scheduler)``: the config comes from ``config`` (a dict, a JSON path) or
 (``client.py``); the model is wrapped by ``zl.initialize`` (a model built under
 ``zero.Init`` is on the meta device and is materialised there); with
 ``training_data`` the loader has DeepSpeed's batch order (``data.py``).
-Model parallelism (``mpu``, ``mesh_param``) and DeepSpeed's pipeline engine are
-refused with errors naming what to use instead.
+A ``deepspeed.pipe.PipelineModule`` gets zerolab's pipeline over its own mesh
+and the pipeline engine (``pipe_engine.py``). Model parallelism (``mpu``,
+``mesh_param``) is refused with errors naming what to use instead.
 """
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ import os
 import warnings
 
 from torch import nn
+from torch.utils.data import DistributedSampler
 
 from zerolab.config.schema import load_json
 from zerolab.deepspeed import comm
 from zerolab.deepspeed.client import read_client_optimizer, refuse_client_scheduler
 from zerolab.deepspeed.data import DeepSpeedDataLoader
 from zerolab.deepspeed.engine import DeepSpeedEngine
+from zerolab.deepspeed.pipe import PipelineModule
+from zerolab.deepspeed.pipe_engine import PipelineEngine
+from zerolab.deepspeed.utils import RepeatingLoader
 from zerolab.deepspeed.zero import apply_pending_edits, register
 from zerolab.engine import initialize as zl_initialize
 
@@ -78,9 +83,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if mesh_param is not None:
         raise NotImplementedError("deepspeed.initialize(mesh_param=...): sequence/data-parallel meshes are not "
                                   "supported; zerolab's engines use the whole world as the data-parallel group")
-    if type(model).__name__ == "PipelineModule":
-        raise NotImplementedError("deepspeed.initialize(model=PipelineModule): DeepSpeed's pipeline engine is "
-                                  "not supported; zerolab's pipeline stages are zerolab.parallel (chapter 10)")
+    pipe = isinstance(model, PipelineModule)
+    if not pipe and type(model).__name__ == "PipelineModule":
+        raise TypeError("deepspeed.initialize(model=PipelineModule): this PipelineModule is DeepSpeed's own; build "
+                        "it with zerolab.deepspeed.pipe.PipelineModule (the module the script imported deepspeed as)")
     refuse_client_scheduler(lr_scheduler)
     raw = _raw_config(args, config, config_params)
     drop_last = bool(raw.pop("dataloader_drop_last", False))
@@ -91,7 +97,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                           "client optimizer is used (as DeepSpeed does)", UserWarning, stacklevel=2)
         raw["optimizer"], model_parameters = read_client_optimizer(optimizer, model_parameters, model)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    engine = zl_initialize(model, raw, model_parameters=_groups(model, model_parameters))
+    engine = zl_initialize(model, raw, model_parameters=_groups(model, model_parameters),
+                           **({"mesh": model.mesh} if pipe else {}))
     register(engine)
     apply_pending_edits(engine)   # GatheredParameters(..., modifier_rank=r) edits made under zero.Init
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -102,9 +109,19 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if engine.config.train_micro_batch_size_per_gpu is None:
             raise ValueError("deepspeed.initialize(training_data=...): the config sets no batch size; give "
                              "train_micro_batch_size_per_gpu or train_batch_size")
-        loader = DeepSpeedDataLoader(training_data, engine.config.train_micro_batch_size_per_gpu, engine.rank,
-                                     engine.world_size, collate_fn=collate_fn, drop_last=drop_last)
-    ds = DeepSpeedEngine(engine, loader, local_rank, has_optimizer)
+        mbs = engine.config.train_micro_batch_size_per_gpu
+        if pipe:   # DeepSpeed's pipeline loader: the DP group's ranks, no shuffling, restarted when it runs out
+            sampler = DistributedSampler(training_data, num_replicas=model.mesh.dp, rank=model.mesh.dp_rank,
+                                         shuffle=False)
+            loader = RepeatingLoader(DeepSpeedDataLoader(training_data, mbs, 0, 1, collate_fn=collate_fn,
+                                                         data_sampler=sampler, drop_last=drop_last))
+        else:
+            loader = DeepSpeedDataLoader(training_data, mbs, engine.rank, engine.world_size, collate_fn=collate_fn,
+                                         drop_last=drop_last)
+    ds = PipelineEngine(engine, model, loader, local_rank, has_optimizer) if pipe else \
+        DeepSpeedEngine(engine, loader, local_rank, has_optimizer)
+    if optimizer is not None:
+        ds.__dict__["client_optimizer_name"] = raw["optimizer"]["type"]   # DeepSpeed: the client's class name
     return ds, ds.optimizer, loader, ds.lr_scheduler
 
 

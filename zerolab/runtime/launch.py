@@ -23,7 +23,12 @@ rank order. Design choices, each measured on a 2-core machine:
   return) and raises ``LaunchError`` naming the rank, with its traceback
   (waiting for the results and reporting a failure: ``runtime/collect.py``).
   Children also die with the parent (``PR_SET_PDEATHSIG``), so an interrupted
-  or crashed kernel leaves no orphans.
+  or crashed kernel leaves no orphans. Ranks are *not* daemonic processes, so a
+  rank may start processes of its own (``DataLoader(num_workers=2)``); what
+  daemonic would add -- being terminated when the parent exits -- ``launch``
+  already does in its ``finally`` (every rank is stopped before it returns or
+  raises), and a loader worker left by a killed rank exits by PyTorch's own
+  check that its rank is gone (within about 5 s).
 * Threads: each rank uses ``max(1, cores // world_size)`` intra-op threads.
 * Nodes (chapter 9): ``ranks_per_node=K`` makes ranks ``m*K .. m*K+K-1``
   simulated node ``m`` (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``
@@ -132,7 +137,7 @@ def launch(fn, world_size: int = 2, args=(), kwargs=None, backend: str = "auto",
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=child_main, name=f"zerolab-rank{rank}", daemon=True,
+                target=child_main, name=f"zerolab-rank{rank}", daemon=False,   # may start loader workers
                 args=(payload, rank, world_size, backend, workdir, collective_timeout, threads, child_end,
                       os.getpid()),
                 kwargs={"ranks_per_node": ranks_per_node or world_size})

@@ -1,0 +1,108 @@
+"""What of DeepSpeed 0.19.8's API ``zerolab.deepspeed`` answers: one table, the README's is generated from it.
+
+``TABLE`` rows are ``(DeepSpeed name, status, why)``: ``supported`` (DeepSpeed's
+signature and behaviour; tests compare them where DeepSpeed is installed),
+``differs`` (runs, with the difference said), ``refused`` (raises an error
+naming the call and what to use instead). ``markdown()`` is the README section;
+``tests/test_deepspeed_compat.py`` checks that the README holds exactly it and
+that every name marked supported or differs exists here.
+"""
+from __future__ import annotations
+
+SUPPORTED, DIFFERS, REFUSED = "supported", "differs", "refused"
+
+TABLE = [
+    ("deepspeed.initialize", SUPPORTED,
+     "DeepSpeed's arguments and its four return values (engine, optimizer, loader, scheduler); config from "
+     "config= or --deepspeed_config"),
+    ("deepspeed.initialize(optimizer=...)", DIFFERS,
+     "an unused torch.optim Adam, AdamW or SGD (or a callable making one) is read into the config; other "
+     "optimizers are refused: zerolab's engines keep the optimizer state themselves, sharded"),
+    ("deepspeed.initialize(lr_scheduler=...)", REFUSED,
+     "the engine computes the learning rate from its own step count and the config's \"scheduler\""),
+    ("deepspeed.initialize(mpu=..., mesh_param=...)", REFUSED,
+     "Megatron-style model-parallel units; zerolab's tensor and pipeline parallelism is zerolab.parallel"),
+    ("deepspeed.initialize(training_data=...)", SUPPORTED,
+     "DeepSpeed's batch order (DistributedSampler, shuffled with random seed 0, padded) and its 2 loader workers, "
+     "inside zl.launch too"),
+    ("deepspeed.init_distributed", DIFFERS,
+     "without a launcher's environment a one-rank group starts (DeepSpeed tries MPI discovery)"),
+    ("deepspeed.add_config_arguments", SUPPORTED, "the same four arguments, defaults and group"),
+    ("deepspeed.comm.get_rank / get_world_size / get_local_rank / barrier / all_reduce / broadcast / all_gather",
+     SUPPORTED, "torch.distributed underneath, as in DeepSpeed"),
+    ("deepspeed.zero.Init", DIFFERS,
+     "the model is built on the meta device and materialised shard by shard at initialize (values from each "
+     "module's reset_parameters); module=, remote_device= and process groups are refused"),
+    ("deepspeed.zero.GatheredParameters", DIFFERS,
+     "an edit made with modifier_rank after initialize is kept (DeepSpeed's next step overwrites it from its "
+     "fp32 partition); before initialize both agree"),
+    ("deepspeed.utils.RepeatingLoader", SUPPORTED, "restarts the loader when it runs out"),
+    ("deepspeed.utils.set_z3_leaf_modules / unset_z3_leaf_modules / get_z3_leaf_modules", SUPPORTED,
+     "the marked module is one ZeRO-3 unit, gathered whole on every rank (an MoE block whose experts may get "
+     "no tokens); zerolab's own default units already keep experts inside their block"),
+    ("deepspeed.pipe.PipelineModule", DIFFERS,
+     "partition_method parameters, uniform, type:REGEX as DeepSpeed cuts; ranks placed DP-outermost (DeepSpeed: "
+     "pipeline-outermost; the same when dp or pp is 1); one tensor between stages; ZeRO-0/1 only; clipping uses "
+     "the norm over every stage (DeepSpeed's ZeRO-0 fp32 pipeline counts only model-parallel rank 0's gradients, "
+     "the first stage's; measured with gradient_clipping 1.0 on examples/deepspeed/train_pipeline.py: the losses "
+     "part from the third step, by up to 2.7e-3)"),
+    ("deepspeed.pipe.LayerSpec", SUPPORTED, "built only on the stage that holds it"),
+    ("deepspeed.pipe.TiedLayerSpec", DIFFERS,
+     "a key on one stage, or on the first and the last (the gradients summed over those two, the last copy "
+     "starting from the first's, as DeepSpeed); a key on a stage in between is refused"),
+    ("PipelineModule(topology=, seed_layers=True, activation_checkpoint_interval>0, partition_method='profile')",
+     REFUSED, "not implemented (DeepSpeed refuses 'profile' too)"),
+    ("engine(x) / engine.backward(loss) / engine.step()", SUPPORTED,
+     "backward scales by 1/gradient_accumulation_steps; the step happens at the boundary"),
+    ("engine.backward(retain_graph=True / scale_wrt_gas=False), engine.step(lr_kwargs=...)", REFUSED,
+     "zerolab's backward always scales and frees the graph; the schedule sets the learning rate"),
+    ("engine.train_batch(data_iter=None)", SUPPORTED,
+     "PipelineModule engines: gradient_accumulation_steps micro-batches from data_iter or the engine's loader, "
+     "one step; returns the mean loss over micro-batches and DP ranks"),
+    ("engine.eval_batch(data_iter, return_logits=False, ...)", SUPPORTED,
+     "forwards only; the mean loss on every rank; reduce_output 'avg' or None (DeepSpeed allows no others)"),
+    ("engine.get_global_grad_norm", SUPPORTED,
+     "the last step's norm before clipping, as DeepSpeed's ZeRO optimizers report it; None at fp32 ZeRO-0, "
+     "as DeepSpeed"),
+    ("engine.get_lr / get_mom", SUPPORTED, "lists, one entry per parameter group"),
+    ("engine.was_step_applied / optimizer_name / save_fp16_model", SUPPORTED, "as DeepSpeed answers them"),
+    ("engine.get_batch_info", DIFFERS,
+     "returns the three numbers (train_batch_size, micro-batch, accumulation steps); DeepSpeed 0.19.8 returns "
+     "the three bound methods, not their values, though its docstring promises the numbers"),
+    ("lr_scheduler.get_lr / get_last_lr / state_dict", SUPPORTED,
+     "the config's \"scheduler\", advanced by the engine at each optimizer step"),
+    ("engine.global_steps / global_samples / micro_steps / skipped_steps", SUPPORTED, "DeepSpeed's counters"),
+    ("engine.is_gradient_accumulation_boundary", SUPPORTED,
+     "True before the micro-batch that steps (pipeline engines: False outside train_batch, as DeepSpeed)"),
+    ("engine.device / local_rank / global_rank / world_size", SUPPORTED, "as DeepSpeed on its accelerator"),
+    ("engine.train_micro_batch_size_per_gpu / train_batch_size / gradient_accumulation_steps / "
+     "zero_optimization_stage / gradient_clipping", SUPPORTED, "methods, as in DeepSpeed"),
+    ("engine.save_checkpoint / load_checkpoint", DIFFERS,
+     "DeepSpeed's keywords and return values; save_latest=False, load_module_strict=False and custom_load_fn "
+     "are refused"),
+    ("engine.save_16bit_model", SUPPORTED, "the gathered weights, saved by rank 0; returns True"),
+    ("engine.no_sync", REFUSED,
+     "zerolab already skips the reduction between accumulation boundaries (DeepSpeed refuses it at ZeRO-2/3 too)"),
+    ("optimizer.step / state_dict / load_state_dict", REFUSED,
+     "engine.step() updates; the state is sharded: engine.save_checkpoint / load_checkpoint"),
+    ("lr_scheduler.step", REFUSED, "the engine advances the schedule at each optimizer step, as DeepSpeed's does"),
+    ("the deepspeed launcher (deepspeed script.py)", REFUSED,
+     "use torchrun, python script.py (one rank) or zl.launch(fn, world_size=N)"),
+]
+
+BEGIN, END = "<!-- deepspeed-compat:begin (generated by zerolab.deepspeed.compat.markdown) -->", \
+    "<!-- deepspeed-compat:end -->"
+
+
+def markdown() -> str:
+    """The table as Markdown, between the README's markers."""
+    rows = ["| DeepSpeed 0.19.8 | zerolab.deepspeed | why / how it differs |", "|---|---|---|"]
+    rows += [f"| `{name}` | {status} | {why} |" for name, status, why in TABLE]
+    return "\n".join([BEGIN, *rows, END])
+
+
+def counts() -> dict:
+    out = {SUPPORTED: 0, DIFFERS: 0, REFUSED: 0}
+    for _, status, _ in TABLE:
+        out[status] += 1
+    return out

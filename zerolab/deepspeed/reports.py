@@ -1,0 +1,82 @@
+"""What DeepSpeed's engine reports about its steps, for the adapter (``engine.py``) to inherit.
+
+``get_global_grad_norm()``: the global gradient norm of the last optimizer
+step, *before* clipping and unscaled by the fp16 loss scale -- what DeepSpeed
+0.19.8's ZeRO optimizers (and its fp16/bf16 wrappers) store; its fp32 ZeRO-0
+path keeps a plain torch optimizer, which stores none, so there it is None, as
+here. zerolab's engine computes the norm only when it clips, inside ``step()``,
+so it is computed here just before the boundary step from the reduced
+gradients, the same way (``grad_sq`` over this rank's share, all-reduced over
+the DP group when the optimizer is sharded and over the TP/PP groups under a
+mesh): one more small all-reduce per optimizer step. ``was_step_applied()``:
+whether the last ``step()`` updated the parameters (False between accumulation
+boundaries and after an fp16 overflow skipped the step). Also
+``get_batch_info()``, ``optimizer_name()`` and ``save_fp16_model`` (the old name
+of ``save_16bit_model``), as DeepSpeed answers them.
+"""
+from __future__ import annotations
+
+from zerolab.engine.mesh_norm import grad_sq, model_parallel_all_reduce
+
+
+class StepReports:
+    def _before_step(self):
+        e, d = self.engine, self.__dict__
+        d["_boundary_now"], d["_skipped_before"] = (e.micro_steps + 1) % e.gas == 0, e.skipped_steps
+        if not d["_boundary_now"] or (e.stage == 0 and e.scaler is None and not e.config.bf16_enabled):
+            return
+        scale = 1.0 / (e.world_size * (e.scaler.scale if e.scaler else 1.0))   # the sum -> the mean; unscaled
+        sq = (grad_sq(e, e.owned_grads()) * scale ** 2).to(e.flat.device)
+        if e.shards_optimizer:
+            e.communicator.all_reduce(sq, tag="grad-norm-report")
+        model_parallel_all_reduce(e, sq)
+        d["_global_grad_norm"] = float(sq.sqrt())
+
+    def _after_step(self):
+        d = self.__dict__
+        d["_step_applied"] = d.get("_boundary_now", False) and self.engine.skipped_steps == d["_skipped_before"]
+        if d.get("_boundary_now") and not d["_step_applied"] and d.get("_global_grad_norm") is not None:
+            d["_global_grad_norm"] = float("inf")   # DeepSpeed reports inf for an overflowed step
+
+    def get_global_grad_norm(self):
+        """The last optimizer step's gradient norm before clipping (None before the first, and at fp32 ZeRO-0)."""
+        return self.__dict__.get("_global_grad_norm")
+
+    def was_step_applied(self) -> bool:
+        return self.__dict__.get("_step_applied", False)
+
+    def get_batch_info(self):
+        """The three numbers DeepSpeed's docstring promises (its 0.19.8 code returns the bound methods)."""
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    def optimizer_name(self):
+        """DeepSpeed: the client optimizer's class name, else the config's type in lower case."""
+        client = self.__dict__.get("client_optimizer_name")
+        return client or (self.engine.config.optimizer.type if self.optimizer is not None else None)
+
+    def save_fp16_model(self, save_dir, save_filename="pytorch_model.bin"):
+        return self.save_16bit_model(save_dir, save_filename)
+
+
+class GradNormHook:
+    """The zerolab engine as zerolab's pipeline drives it, with the reports around each step."""
+
+    def __init__(self, ds):
+        self.__dict__["ds"] = ds
+
+    def __getattr__(self, name):
+        return getattr(self.ds.engine, name)
+
+    def __setattr__(self, name, value):   # zerolab's pipeline sets flags on the engine it drives
+        setattr(self.ds.engine, name, value)
+
+    def __delattr__(self, name):
+        delattr(self.ds.engine, name)
+
+    def __call__(self, *inputs, **kwargs):
+        return self.ds.engine(*inputs, **kwargs)
+
+    def step(self):
+        self.ds._before_step()
+        self.ds.engine.step()
+        self.ds._after_step()
