@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from zerolab.runtime import nodes
-from zerolab.runtime.handle import Handle  # noqa: F401  (re-exported: an issued collective)
+from zerolab.runtime.handle import Handle, failed  # Handle re-exported: an issued collective
 from zerolab.theory.network import Link, get_link, ring_bytes
 
 __all__ = ["Communicator", "CommLedger", "CommRecord", "Handle"]
@@ -181,7 +181,10 @@ class Communicator:
         record = CommRecord(op, sent, 0.0, tensor_for_size.numel(), str(tensor_for_size.dtype).replace("torch.", ""),
                             self.world_size, tag, self._links is not None,
                             inter_bytes=round(sent * self.inter_fraction(op, src)), group=self.name)
-        work = call(async_op) if self.world_size > 1 else None
+        try:   # (a synchronous backend call, e.g. gloo's list-form reduce-scatter, waits in here)
+            work = call(async_op) if self.world_size > 1 else None
+        except RuntimeError as e:
+            raise failed(record, e) from e
         handle = Handle(work, record, self.ledger, t_issue, t_done, after,
                         book=self.ledger.control if control else None)
         if not async_op:

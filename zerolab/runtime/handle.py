@@ -17,6 +17,12 @@ DIFFERENT_COLLECTIVES = (
     "(chapter 6). Otherwise a rank is slower than collective_timeout, or a peer died first (see its error).")
 
 
+def failed(r, err: BaseException) -> RuntimeError:
+    """The error for collective record ``r`` that did not complete (``err``: the backend's)."""
+    return RuntimeError(f"{r.op} '{r.tag}' ({r.numel} elements, {r.world_size} ranks) did not complete: "
+                        f"{err}{DIFFERENT_COLLECTIVES}")
+
+
 class Handle:
     """An issued collective. ``wait()`` blocks until it is done (and, on a
     simulated link, until the link would have delivered it); idempotent."""
@@ -50,9 +56,7 @@ class Handle:
             try:
                 self._work.wait()
             except RuntimeError as e:   # a timeout, a closed peer: say which collective, and the usual cause
-                r = self._record
-                raise RuntimeError(f"{r.op} '{r.tag}' ({r.numel} elements, {r.world_size} ranks) did not complete: "
-                                   f"{e}{DIFFERENT_COLLECTIVES}") from e
+                raise failed(self._record, e) from e
         t_backend = self._t_complete[0] if self._t_complete else time.perf_counter()
         delay = self._t_link_done - time.perf_counter()
         if delay > 0:
