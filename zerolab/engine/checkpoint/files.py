@@ -115,6 +115,17 @@ def replace_dir(new: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def save_paths(save_dir, tag, global_steps: int) -> tuple[str, str, str, str]:
+    """``(save_dir, tag, final folder, temporary folder)`` of a save; ``tag`` None: ``global_step{N}``.
+    A tag that is not a plain folder name is an error naming it."""
+    tag = f"global_step{global_steps}" if tag is None else str(tag)
+    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
+        raise ValueError(f"checkpoint tag {tag!r}: use a plain folder name (no '/', not starting with '.', "
+                         f"not {LATEST!r})")
+    save_dir = os.fspath(save_dir)
+    return save_dir, tag, os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.tmp")
+
+
 def write_text_atomic(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: old or new, never half."""
     tmp = f"{path}.tmp"

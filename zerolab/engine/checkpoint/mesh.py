@@ -26,7 +26,8 @@ import shutil
 
 from zerolab.engine.checkpoint import mesh_state as ms
 from zerolab.engine.checkpoint.files import (LATEST, CheckpointError, check_tag_dir, dumps, fsync_dir,
-                                          read_manifest, replace_dir, resolve_tag, write_text_atomic)
+                                          read_manifest, replace_dir, resolve_tag, save_paths,
+                                          write_text_atomic)
 from zerolab.engine.checkpoint.mesh_source import MeshSource, read_mesh_manifest
 from zerolab.engine.checkpoint.save import _check_boundary, _check_plain, save_checkpoint
 
@@ -55,12 +56,7 @@ def save_mesh_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_
     _check_boundary(engine)   # the plain save's own checks, first, on every rank alike
     _check_plain(client_state or {})
     m = ms.mesh_sizes(engine)
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
-        raise ValueError(f"checkpoint tag {tag!r}: use a plain folder name (no '/', not starting with '.', "
-                         f"not {LATEST!r})")
-    save_dir = os.fspath(save_dir)
-    final, tmp = os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.tmp")
+    save_dir, tag, final, tmp = save_paths(save_dir, tag, engine.global_steps)
     error = None
     if m["rank"] == 0:
         try:

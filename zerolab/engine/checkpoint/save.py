@@ -34,7 +34,7 @@ import torch
 
 from zerolab.engine.checkpoint.ds_save import optimizer_record
 from zerolab.engine.checkpoint.files import (FORMAT, LATEST, MODEL_STATES, VERSION, CheckpointError, dumps, fsync_dir,
-                                          model_file, optim_file, replace_dir, resolve_tag, write_checked,
+                                          model_file, optim_file, replace_dir, resolve_tag, save_paths, write_checked,
                                           write_text_atomic)
 from zerolab.engine.checkpoint.state import frozen_ids, frozen_pieces, gather_state_dict, layout, owned_start, read_owned, schedule_position, state_keys
 
@@ -146,12 +146,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_froze
     _check_boundary(engine)
     _check_plain(client_state or {})
     t0 = time.perf_counter()
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
-        raise ValueError(f"checkpoint tag {tag!r}: use a plain folder name (no '/', not starting with '.', "
-                         f"not {LATEST!r})")
-    save_dir = os.fspath(save_dir)
-    final, tmp = os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.tmp")
+    save_dir, tag, final, tmp = save_paths(save_dir, tag, engine.global_steps)
     error = None
     if engine.rank == 0:
         try:
