@@ -70,3 +70,21 @@ def test_table_counts():
     assert sum(c.values()) == len(compat.TABLE) and all(c.values())
     for line in [l for l in compat.markdown().splitlines()[1:-1] if l != "|---|---|---|"]:
         assert line.startswith("| ") and not re.search(r"\|\s*\|", line), line   # no empty cell
+
+
+def test_set_random_seed_seeds_python_numpy_and_torch():
+    import random
+
+    import numpy as np
+    import torch
+
+    import zerolab.deepspeed as deepspeed
+
+    def draw():
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+    deepspeed.runtime.utils.set_random_seed(3)
+    a = draw()
+    deepspeed.runtime.utils.set_random_seed(3)
+    assert draw() == a
+    deepspeed.runtime.utils.set_random_seed(4)
+    assert all(x != y for x, y in zip(draw(), a))

@@ -23,12 +23,12 @@ Run it with ``zl.launch(fn, world_size=N)``, ``torchrun --nproc-per-node N
 script.py --deepspeed_config ds.json``, or ``python script.py`` (one rank);
 DeepSpeed's own ``deepspeed`` launcher is not provided.
 """
-from zerolab.deepspeed import comm, pipe, utils, zero
+from zerolab.deepspeed import comm, pipe, runtime, utils, zero
 from zerolab.deepspeed.comm import init_distributed
 from zerolab.deepspeed.data import DeepSpeedDataLoader
 from zerolab.deepspeed.engine import DeepSpeedEngine
 from zerolab.deepspeed.front import add_config_arguments, initialize
 from zerolab.deepspeed.pipe import PipelineModule
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "comm", "zero", "utils", "pipe", "PipelineModule", "DeepSpeedEngine",
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "comm", "zero", "utils", "runtime", "pipe", "PipelineModule", "DeepSpeedEngine",
            "DeepSpeedDataLoader"]
