@@ -34,6 +34,8 @@ def mutate(exercise, answer, *edits):
     return {answer: src}
 
 
+MESH_CHECK = "the mesh zl.choose_stage picks (fit first, then the full step)"
+
 # exercise -> {label: (answers, the checks that must fail)}
 WRONG = {
     "01_memory": {
@@ -183,6 +185,21 @@ WRONG = {
             {"the stage zl.choose_stage picks (fastest that fits, ties to the lower stage)"}),
         # (ignoring gradient accumulation cannot change the answer: in the ring model communication
         # never falls as the stage rises, for any g; tests/test_plan.py checks that ordering)
+        "mesh: ties to the most model parallelism": (
+            mutate("07_choose_config", "choose_mesh", ("least = min(r[1] * r[2] for r in close)",
+                                                       "least = max(r[1] * r[2] for r in close)")),
+            {MESH_CHECK}),
+        "mesh: the pipeline bubble left out": (
+            mutate("07_choose_config", "choose_mesh", ("rows.append((sum(times.values()), tp, pp, dp, stage))",
+                                                       "rows.append((sum(times.values()) - times['bubble'], tp, pp, "
+                                                       "dp, stage))")),
+            {MESH_CHECK}),
+        "mesh: activations not split by TP": (
+            mutate("07_choose_config", "choose_mesh", ("activation_bytes / tp", "activation_bytes")), {MESH_CHECK}),
+        "mesh: micro-batches per step taken as the accumulation steps": (
+            mutate("07_choose_config", "choose_mesh", ("m = batch // (dp * micro)", "m = ga")), {MESH_CHECK}),
+        # (allowing ZeRO-2/3 with PP changed no answer in a search over 30B-175B on 16-128 GPUs with 1 and 8
+        # NICs: the time model's extra gathers per micro-batch keep them behind the meshes the rules allow)
     },
     "08_reshard": {
         "floor division for the new shard size": (
