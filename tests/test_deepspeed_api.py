@@ -23,7 +23,6 @@ import json
 import math
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 import zerolab as zl
+import script_util
 import zerolab.deepspeed as zds
 import deepspeed_train as script
 
@@ -145,7 +145,7 @@ def run_script(cfg_path, tmp_path, launcher: list, lib: str, *flags) -> list[dic
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, *launcher, str(TESTS / "deepspeed_train.py"), "--lib", lib, "--out", str(out), *flags,
            "--deepspeed_config", cfg_path]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    r = script_util.run_script(cmd, env, timeout=400)
     assert r.returncode == 0, r.stderr[-4000:]
     world = int(launcher[launcher.index("--nproc-per-node") + 1]) if launcher else 1
     return [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(world)]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 import zerolab as zl
+import script_util
 from zerolab.deepspeed.pipe import balanced_parts, partition, uniform_parts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def run(script: str, lib: str, tmp_path, world: int = 2) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
            str(_free_port()), str(ROOT / "tests" / "ds_example_runner.py"), str(EXAMPLES / f"{script}.py"),
            "--out", str(out)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    r = script_util.run_script(cmd, env, timeout=400, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(world)]
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import zerolab as zl
+import script_util
 from zerolab.engine.checkpoint import ds_merge
 from zerolab.engine.checkpoint.ds_files import load_restricted
 from zerolab.engine.checkpoint.ds_load import DeepSpeedSaved
@@ -194,8 +195,8 @@ LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-5, (3, "bf16"): 2e-2}
 
 def run_deepspeed(work: Path, stage: int, dtype: str, world: int = 2) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(TESTS / "ds_resume_run.py"), str(work), str(stage), str(world), dtype,
-                        str(K), str(M)], env=env, capture_output=True, text=True, timeout=600)
+    r = script_util.run_script([sys.executable, str(TESTS / "ds_resume_run.py"), str(work), str(stage), str(world),
+                                dtype, str(K), str(M)], env, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
 
 
