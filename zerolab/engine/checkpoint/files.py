@@ -115,6 +115,18 @@ def replace_dir(new: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def raise_agreed(error, what: str, here: str, failed: list, first_message: str, note: str = "") -> None:
+    """After the ranks exchanged their errors (``failed``: the ranks that had one): nothing if none did;
+    else this rank's own error (``here``: where it ran), or the first failing rank's ``first_message``."""
+    if not failed:
+        return
+    if error is not None:
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(f"{what} failed on {here}: {error}") from error
+    raise CheckpointError(f"{what} failed on rank {failed[0]} ({len(failed)} rank(s) failed{note}): {first_message}")
+
+
 def save_paths(save_dir, tag, global_steps: int) -> tuple[str, str, str, str]:
     """``(save_dir, tag, final folder, temporary folder)`` of a save; ``tag`` None: ``global_step{N}``.
     A tag that is not a plain folder name is an error naming it."""

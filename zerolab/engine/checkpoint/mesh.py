@@ -25,7 +25,7 @@ import os
 import shutil
 
 from zerolab.engine.checkpoint import mesh_state as ms
-from zerolab.engine.checkpoint.files import (LATEST, CheckpointError, check_tag_dir, dumps, fsync_dir,
+from zerolab.engine.checkpoint.files import (LATEST, CheckpointError, check_tag_dir, dumps, fsync_dir, raise_agreed,
                                           read_manifest, replace_dir, resolve_tag, save_paths,
                                           write_text_atomic)
 from zerolab.engine.checkpoint.mesh_source import MeshSource, read_mesh_manifest
@@ -42,13 +42,7 @@ def agree_world(error: BaseException | None, what: str) -> None:
     """Collective over the whole world: raise on every rank if any rank failed (the first one's message)."""
     msgs = ms.world_all_gather(None if error is None else f"{type(error).__name__}: {error}")
     failed = [r for r, m in enumerate(msgs) if m]
-    if not failed:
-        return
-    if error is not None:
-        if isinstance(error, CheckpointError):
-            raise error
-        raise CheckpointError(f"{what} failed on this rank: {error}") from error
-    raise CheckpointError(f"{what} failed on rank {failed[0]} ({len(failed)} rank(s) failed): {msgs[failed[0]]}")
+    raise_agreed(error, what, "this rank", failed, msgs[failed[0]] if failed else "")
 
 
 def save_mesh_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False) -> str:

@@ -34,8 +34,8 @@ import torch
 
 from zerolab.engine.checkpoint.ds_save import optimizer_record
 from zerolab.engine.checkpoint.files import (FORMAT, LATEST, MODEL_STATES, VERSION, CheckpointError, dumps, fsync_dir,
-                                          model_file, optim_file, replace_dir, resolve_tag, save_paths, write_checked,
-                                          write_text_atomic)
+                                          model_file, optim_file, raise_agreed, replace_dir, resolve_tag, save_paths,
+                                          write_checked, write_text_atomic)
 from zerolab.engine.checkpoint.state import frozen_ids, frozen_pieces, gather_state_dict, layout, owned_start, read_owned, schedule_position, state_keys
 
 MESSAGE_BYTES = 480   # an error message travels to every rank in a fixed-size tensor
@@ -53,15 +53,8 @@ def agree(engine, error: BaseException | None, what: str) -> None:
     engine.communicator.all_gather(everyone, msg.to(dev), tag="checkpoint")
     rows = everyone.cpu().view(engine.world_size, -1)
     failed = [r for r in range(engine.world_size) if rows[r, 0]]
-    if not failed:
-        return
-    if error is not None:
-        if isinstance(error, CheckpointError):
-            raise error
-        raise CheckpointError(f"{what} failed on rank {engine.rank}: {error}") from error
-    r = failed[0]
-    text = bytes(rows[r, 1:].tolist()).rstrip(b"\0").decode(errors="replace")
-    raise CheckpointError(f"{what} failed on rank {r} ({len(failed)} rank(s) failed; nothing was changed): {text}")
+    text = bytes(rows[failed[0], 1:].tolist()).rstrip(b"\0").decode(errors="replace") if failed else ""
+    raise_agreed(error, what, f"rank {engine.rank}", failed, text, note="; nothing was changed")
 
 
 def _check_boundary(engine) -> None:
