@@ -21,8 +21,23 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from make_ds_checkpoints import Tiny  # noqa: E402
+
+def _fixture_module():
+    """tests/fixtures/make_ds_checkpoints.py, loaded by its path: putting tests/fixtures on ``sys.path``
+    would make its ``deepspeed/`` folder (DeepSpeed's files) importable as a namespace package called
+    ``deepspeed`` wherever DeepSpeed itself is not installed."""
+    import importlib.util
+    if "make_ds_checkpoints" in sys.modules:
+        return sys.modules["make_ds_checkpoints"]
+    path = Path(__file__).resolve().parent / "fixtures" / "make_ds_checkpoints.py"
+    spec = importlib.util.spec_from_file_location("make_ds_checkpoints", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["make_ds_checkpoints"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+Tiny = _fixture_module().Tiny
 
 LR, WD, CLIP = 0.05, 0.01, 1.0
 

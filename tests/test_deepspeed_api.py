@@ -18,7 +18,6 @@ naming the problem.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -32,13 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from zerolab.bench.peers import deepspeed_available
 import zerolab as zl
 import script_util
 import zerolab.deepspeed as zds
 import deepspeed_train as script
 
 TESTS = Path(__file__).resolve().parent
-HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+HAVE_DEEPSPEED = deepspeed_available()  # the real package, not a folder named deepspeed
 LR, WD, CLIP, MICRO, GAS, WORLD, EPOCHS = 0.02, 0.01, 1.0, 4, 2, 2, 2
 
 

@@ -10,7 +10,6 @@ tables worked out by hand from DeepSpeed's definitions.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import sys
@@ -19,13 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from zerolab.bench.peers import deepspeed_available
 import zerolab as zl
 import script_util
 from zerolab.deepspeed.pipe import balanced_parts, partition, uniform_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "deepspeed"
-HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+HAVE_DEEPSPEED = deepspeed_available()  # the real package, not a folder named deepspeed
 SCRIPTS = ["train_mlp", "train_pipeline", "train_zero3"]
 
 

@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zerolab.bench.peers import deepspeed_available
 import zerolab as zl
 import script_util
 from zerolab.engine.checkpoint import ds_merge
@@ -31,7 +31,7 @@ sys.path.insert(0, str(TESTS))
 import ds_resume_run as run  # noqa: E402
 
 FIXTURES = TESTS / "fixtures" / "deepspeed"
-HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+HAVE_DEEPSPEED = deepspeed_available()  # the real package, not a folder named deepspeed
 K, M = 3, 3
 # DeepSpeed writes these; zerolab's files leave them out (each defaults on load, or serves only DeepSpeed's
 # own tools): the fp16 loss scaler's flags (stages 1-2), clipping, universal-checkpoint slice maps, samples

@@ -62,7 +62,14 @@ def ds_config(stage: int, micro_batch: int, lr: float = LR, overlap_comm=None, b
 
 
 def deepspeed_available() -> bool:
-    return importlib.util.find_spec("deepspeed") is not None
+    """True when the real DeepSpeed package is installed. A folder named ``deepspeed`` without an
+    ``__init__.py`` on ``sys.path`` (a test fixture's, an example's) is found by ``find_spec`` as a
+    namespace package with no origin: that is not DeepSpeed."""
+    try:
+        spec = importlib.util.find_spec("deepspeed")
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin is not None
 
 
 def ours_available(stage: int) -> bool:
