@@ -37,8 +37,21 @@ def train(cases):
     for stage, clip in cases:
         model = MLP(depth=3, seed=4)
         engine = zl.initialize(model, config(stage, clip))
-        out.append(train_rank_slices(engine, model, STEPS, GAS, MBS, seed=11))
+        norms = []
+        engine.step = _recording(engine, norms)
+        out.append((train_rank_slices(engine, model, STEPS, GAS, MBS, seed=11), norms))
     return out
+
+
+def _recording(engine, norms):
+    """engine.step, appending ``engine.last_grad_norm`` after each boundary (None between them)."""
+    step = engine.step
+
+    def recorded():
+        step()
+        if engine.micro_steps % GAS == 0:
+            norms.append(engine.last_grad_norm)
+    return recorded
 
 
 def reference(clip):
@@ -68,7 +81,10 @@ def test_clipping_equals_torch_clip_grad_norm(results, stage, which):
     want, norms = reference(clip)
     # the threshold does what the case says, on every step
     assert all((n < clip) == (which == "never binds") for n in norms), (which, clip, norms)
-    got = results[(stage, clip)]
+    got, got_norms = results[(stage, clip)]
+    # the norm the engine clipped by (engine.last_grad_norm, what get_global_grad_norm reports): torch's, each step
+    torch.testing.assert_close(torch.tensor(got_norms, dtype=torch.float64), torch.tensor(norms, dtype=torch.float64),
+                               rtol=1e-5, atol=0, msg=lambda m: f"stage {stage}: last_grad_norm {m}")
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,

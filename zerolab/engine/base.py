@@ -109,6 +109,7 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
         self.scaler = DynamicLossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
 
         self.micro_steps = self.global_steps = self.skipped_steps = 0
+        self.last_grad_norm = None   # the last boundary's global gradient norm before clipping (when clipping)
         self._reducing, self._reduced_unstepped, self._fired, self._in_backward = False, False, set(), False
         self._seen = set()   # parameters this rank saw a gradient for since the last step (unused.py)
         self.backwards_this_micro_step = 0
@@ -207,6 +208,7 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
         if self.micro_steps % self.gas:
             return
         self.event(ev.STEP_START)
+        self.last_grad_norm = None
         grads = self.owned_grads()
         seen, self._seen = self._seen, set()
         if self.scaler is not None and self._overflow(grads):
@@ -226,7 +228,8 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
             if self.shards_optimizer:
                 self.communicator.all_reduce(sq, tag="grad-norm")
             model_parallel_all_reduce(self, sq)   # 3D: the TP slices and PP stages too (mesh_norm.py)
-            scale *= clip_coefficient(float(sq.sqrt()), self.config.gradient_clipping)
+            self.last_grad_norm = float(sq.sqrt())
+            scale *= clip_coefficient(self.last_grad_norm, self.config.gradient_clipping)
         if isinstance(self.optimizer, ShardedOptimizer):  # unit by unit: stage 1 gathers while later units update
             self.optimizer.step(grads, self.get_lr(), scale, after=self.unit_updated)
         else:  # offload's optimizer updates in its own pieces
