@@ -66,6 +66,7 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
     stage = 0
     shards_optimizer = False        # stages 1+: the optimizer holds only this rank's shard
     reduce_every_micro_step = False  # stage 2: gradients cannot wait for the boundary
+    keeps_full_grads = False         # stages 0-1: every parameter's whole gradient until the step
 
     partitions_params = False        # stage 3: only this rank's shard of the parameters is allocated
 
@@ -111,6 +112,7 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.last_grad_norm = None   # the last boundary's global gradient norm before clipping (when clipping)
         self._reducing, self._reduced_unstepped, self._fired, self._in_backward = False, False, set(), False
+        self._reduce_deferred = False   # backward(allreduce_gradients=False) at the boundary, not reduced yet
         self._seen = set()   # parameters this rank saw a gradient for since the last step (unused.py)
         self.backwards_this_micro_step = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.flat.params()]
@@ -163,13 +165,25 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gas == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss / gradient_accumulation_steps (x the fp16 loss scale), then autograd."""
+    def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True) -> None:
+        """loss / gradient_accumulation_steps (x the fp16 loss scale), then autograd.
+
+        ``allreduce_gradients=False`` (the name DeepSpeed's ``backward`` used; its pipeline engine now
+        clears ``enable_backward_allreduce`` and calls ``allreduce_gradients()``), at the accumulation boundary:
+        the gradients stay this rank's own (``local_grad``) until ``allreduce_gradients()``, so the
+        caller can change them first -- the pipeline sums a weight tied across stages over its group.
+        Stages 0-1 only: stages 2-3 reduce-scatter during the backward and keep no whole gradient."""
+        if not allreduce_gradients and not self.keeps_full_grads:
+            raise ValueError(f"engine.backward(loss, allreduce_gradients=False): stage {self.stage} reduces "
+                             f"each gradient bucket during the backward and keeps only its shard; deferring the "
+                             f"reduction needs stage 0 or 1 (zero_optimization.stage)")
         self.backwards_this_micro_step += 1   # a second one before step() adds to the first (accumulate.py)
         if self._reduced_unstepped:
             keep_reduced_once(self)
-        self._reducing = self.reduce_every_micro_step or self.is_gradient_accumulation_boundary()
+        boundary = self.is_gradient_accumulation_boundary()
+        self._reducing = (self.reduce_every_micro_step or boundary) and allreduce_gradients
         self._reduced_unstepped = self._reducing and not self.reduce_every_micro_step
+        self._reduce_deferred = boundary and not allreduce_gradients
         self.reset_buckets()
         self._fired = set()
         self.event(ev.BACKWARD_START)
@@ -180,6 +194,27 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
         finally:
             self._in_backward = False
         self._end_of_backward()
+
+    def allreduce_gradients(self) -> None:
+        """Collective: after ``backward(loss, allreduce_gradients=False)``, reduce every gradient
+        bucket over the DP group in bucket order, as the boundary backward would have."""
+        if not self._reduce_deferred:
+            raise RuntimeError("engine.allreduce_gradients(): nothing to reduce -- it follows "
+                               "engine.backward(loss, allreduce_gradients=False) at the accumulation boundary, "
+                               "once")
+        self._reduce_deferred = False
+        self._reducing = self._reduced_unstepped = True
+        self.reset_buckets()
+        for p in self.flat.params():
+            self.grad_arrived(p)
+        self.flush_buckets()
+        self._reducing = False
+
+    def local_grad(self, p) -> torch.Tensor:
+        """This rank's whole gradient of parameter ``p`` (stages 0-1), a view into the engine's buffer:
+        before the reduction, this rank's own; writes to it are what gets reduced."""
+        raise ValueError(f"engine.local_grad: stage {self.stage} keeps only its shard of the gradients "
+                         f"(zero_optimization.stage 0 or 1 keeps them whole)")
 
     def _grad_hook(self, p) -> None:
         if not self._in_backward:
@@ -203,6 +238,9 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
     @torch.no_grad()
     def step(self) -> None:
         """Called every micro-batch; updates the parameters at the accumulation boundary."""
+        if self._reduce_deferred:
+            raise RuntimeError("engine.step(): the gradients of backward(loss, allreduce_gradients=False) were "
+                               "never reduced; call engine.allreduce_gradients() before engine.step()")
         self.micro_steps += 1
         self._reduced_unstepped, self.backwards_this_micro_step = False, 0
         if self.micro_steps % self.gas:

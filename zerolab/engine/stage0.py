@@ -23,6 +23,7 @@ from zerolab.runtime.measure import storage_bytes
 
 class Stage0Engine(Engine):
     stage = 0
+    keeps_full_grads = True
 
     def own(self, buf: torch.Tensor, u) -> torch.Tensor:
         """The part of unit ``u`` this rank updates: all of it."""
@@ -37,6 +38,11 @@ class Stage0Engine(Engine):
         if self._views_are_grads:
             for p in self.flat.params():
                 p.grad = self._grad_views[id(p)]
+
+    def local_grad(self, p) -> torch.Tensor:
+        if not self.keeps_full_grads:   # stage 2 and up inherit this file but keep shards only
+            return super().local_grad(p)
+        return self._grad_views[id(p)]
 
     def keep_grad(self, p) -> None:
         """Autograd accumulated into ``p.grad``: make sure the gradient is in the flat buffer."""

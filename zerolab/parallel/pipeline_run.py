@@ -52,9 +52,9 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", dtyp
                          f"per batch list)")
     module = engine.module if engine is not None else stage
     tied = getattr(module, "tied", []) if p > 1 else []
-    if tied and engine is not None and not hasattr(engine, "_grad_views"):
-        raise ValueError(f"train_batch: a weight tied across pipeline stages needs ZeRO-0/1's local gradient "
-                         f"buffer; {type(engine).__name__} has none")
+    if tied and engine is not None and not engine.keeps_full_grads:
+        raise ValueError(f"train_batch: a weight tied across pipeline stages needs ZeRO-0/1's whole local "
+                         f"gradients (zero_optimization.stage 0 or 1); stage {engine.stage} keeps only a shard")
     dtype = dtype or (engine.precision.compute_dtype if engine is not None else torch.float32)
     order = schedule(schedule_kind, m, p, s)
     link, first, last = (P2P(mesh) if p > 1 else None), s == 0, s == p - 1
@@ -83,8 +83,8 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", dtyp
                 target = (y.float() * grad.float()).sum() * (m if engine is not None else 1)
             if engine is None:
                 target.backward()
-            elif defer:
-                _backward_without_reducing(engine, target)
+            elif defer:   # the gradients stay local: the tied weight's are summed first
+                engine.backward(target, allreduce_gradients=False)
             else:
                 engine.backward(target)
         if not first:   # before the step: at the boundary it all-reduces the norm over the PP group too
@@ -109,26 +109,11 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", dtyp
     return float(loss)
 
 
-def _backward_without_reducing(engine, target) -> None:
-    """The engine's last backward of the step, its gradients kept local (not reduced over DP)."""
-    engine.is_gradient_accumulation_boundary = lambda: False   # this call only (an instance attribute)
-    try:
-        engine.backward(target)
-    finally:
-        del engine.is_gradient_accumulation_boundary
-
-
 def _sum_tied_then_reduce(engine, mesh, tied) -> None:
-    """Sum the tied weight's local gradients over the embedding group, then reduce every gradient
-    bucket over the DP group, in bucket order, as the boundary backward would have."""
-    params = {n: q for u in engine.flat.units for n, q in u.params}
+    """Sum the tied weight's local gradients over the embedding group, then let the engine reduce
+    every gradient over the DP group, as the boundary backward would have."""
+    params = dict(engine.module.named_parameters(remove_duplicate=False))
     comm = mesh.communicator("embed")
     for name in tied:
-        comm.all_reduce(engine._grad_views[id(params[name])], tag="tied-grad")
-    engine._reducing = engine._reduced_unstepped = True
-    engine.reset_buckets()
-    for u in engine.flat.units:
-        for _, q in u.params:
-            engine.grad_arrived(q)
-    engine.flush_buckets()
-    engine._reducing = False
+        comm.all_reduce(engine.local_grad(params[name]), tag="tied-grad")
+    engine.allreduce_gradients()
