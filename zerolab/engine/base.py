@@ -37,7 +37,7 @@ from zerolab.runtime.comm import Communicator
 from zerolab.engine.flat import FlatParams
 from zerolab.engine.groups import resolve_groups, unit_runs
 from zerolab.engine.bigmodel.materialize import buffer_marks, check_initialised, materialize
-from zerolab.engine.accumulate import keep_reduced_once
+from zerolab.engine.accumulate import CallerReduces, keep_reduced_once
 from zerolab.engine.api import EngineAPI
 from zerolab.engine.buckets import GradientBuckets
 from zerolab.engine.mesh_norm import grad_sq, model_parallel_all_reduce
@@ -60,7 +60,7 @@ def make_communicator(link=None) -> Communicator:
     return Communicator(link=link)
 
 
-class Engine(EngineAPI, SkipUnused, GradientBuckets):
+class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
     """The training loop; a stage subclass defines own/build_grads/keep_grad/reduce_bucket/
     owned_grads/zero_grads/after_update/grad_bytes (see ``Stage0Engine``)."""
     stage = 0
@@ -167,12 +167,8 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
 
     def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True) -> None:
         """loss / gradient_accumulation_steps (x the fp16 loss scale), then autograd.
-
-        ``allreduce_gradients=False`` (the name DeepSpeed's ``backward`` used; its pipeline engine now
-        clears ``enable_backward_allreduce`` and calls ``allreduce_gradients()``), at the accumulation boundary:
-        the gradients stay this rank's own (``local_grad``) until ``allreduce_gradients()``, so the
-        caller can change them first -- the pipeline sums a weight tied across stages over its group.
-        Stages 0-1 only: stages 2-3 reduce-scatter during the backward and keep no whole gradient."""
+        ``allreduce_gradients=False`` (the name DeepSpeed's ``backward`` once took), stages 0-1: at the
+        boundary the gradients stay local until ``allreduce_gradients()`` (accumulate.py)."""
         if not allreduce_gradients and not self.keeps_full_grads:
             raise ValueError(f"engine.backward(loss, allreduce_gradients=False): stage {self.stage} reduces "
                              f"each gradient bucket during the backward and keeps only its shard; deferring the "
@@ -194,27 +190,6 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
         finally:
             self._in_backward = False
         self._end_of_backward()
-
-    def allreduce_gradients(self) -> None:
-        """Collective: after ``backward(loss, allreduce_gradients=False)``, reduce every gradient
-        bucket over the DP group in bucket order, as the boundary backward would have."""
-        if not self._reduce_deferred:
-            raise RuntimeError("engine.allreduce_gradients(): nothing to reduce -- it follows "
-                               "engine.backward(loss, allreduce_gradients=False) at the accumulation boundary, "
-                               "once")
-        self._reduce_deferred = False
-        self._reducing = self._reduced_unstepped = True
-        self.reset_buckets()
-        for p in self.flat.params():
-            self.grad_arrived(p)
-        self.flush_buckets()
-        self._reducing = False
-
-    def local_grad(self, p) -> torch.Tensor:
-        """This rank's whole gradient of parameter ``p`` (stages 0-1), a view into the engine's buffer:
-        before the reduction, this rank's own; writes to it are what gets reduced."""
-        raise ValueError(f"engine.local_grad: stage {self.stage} keeps only its shard of the gradients "
-                         f"(zero_optimization.stage 0 or 1 keeps them whole)")
 
     def _grad_hook(self, p) -> None:
         if not self._in_backward:
@@ -246,6 +221,7 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
         if self.micro_steps % self.gas:
             return
         self.event(ev.STEP_START)
+        self.agree_before_update()
         self.last_grad_norm = None
         grads = self.owned_grads()
         seen, self._seen = self._seen, set()
@@ -280,6 +256,10 @@ class Engine(EngineAPI, SkipUnused, GradientBuckets):
         if self.scaler is not None:
             self.scaler.update(False)
         self.event(ev.STEP_END)
+
+    def agree_before_update(self) -> None:
+        """Collective, at every optimizer step on every rank, before the overflow check and any update:
+        where the ranks confirm they did the same work (stage 3: the units they gathered, unit_order.py)."""
 
     def unit_updated(self, i: int) -> None:
         """Unit ``i``'s update is done: copy its fp32 master into the 16-bit parameters."""

@@ -17,7 +17,8 @@ zerolab's default units already keep an expert inside its block's unit
 adds is the guarantee that a model breaking the rule fails loudly:
 
 * each rank folds the unit index of every all-gather it issues into a running
-  hash; at each optimizer step, before anything is updated, the ranks compare
+  hash; at each optimizer step, before anything is updated (the engine's
+  ``agree_before_update`` phase, the step's first collective), the ranks compare
   (count, hash) in one all-reduce of four integers (booked in
   ``engine.comm.control``, apart from the algorithm's bytes) and raise an error
   naming the units this rank gathered — a silent mismatch never reaches the
@@ -69,10 +70,10 @@ class UnitOrderCheck:
                 f"{mine[0]} all-gathers; the ranks' counts range from {-int(t[2])} to {int(t[0])}); the first "
                 f"units this rank gathered: {self._unit_names(log)}. " + self.order_advice())
 
-    def unused_everywhere(self, seen: set) -> set:
-        """The step's first collective (``unused.py``), preceded by the order check: before any update."""
+    def agree_before_update(self) -> None:
+        """The engine's step phase before anything is updated (``base.py``): the order check."""
+        super().agree_before_update()
         self.check_unit_order()
-        return super().unused_everywhere(seen)
 
     def order_advice(self) -> str:
         return ("Every rank must run the same units' forward in the same order: a module whose forward runs "
