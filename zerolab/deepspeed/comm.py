@@ -11,13 +11,14 @@ as a single process.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from zerolab.runtime.group_exit import close_at_exit
 
 ReduceOp = dist.ReduceOp
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500    # DeepSpeed's constant of that name
@@ -49,7 +50,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout,
                                 rank=rank, world_size=world_size)
         os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))   # DeepSpeed requires it; torchrun sets it
-        atexit.register(_destroy_at_exit)
+        close_at_exit()
         return
     if rank > 0 or world_size > 1:
         raise ValueError(f"init_distributed(rank={rank}, world_size={world_size}) needs init_method= or a "
@@ -57,18 +58,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     # no launcher: a one-rank group over a private FileStore (DeepSpeed would attempt MPI discovery here)
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="zerolab-ds-"), "store"), 1)
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-    atexit.register(_destroy_at_exit)
+    close_at_exit()
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
-
-
-def _destroy_at_exit():
-    """The group this module started is torn down before the interpreter's own shutdown: a ZeRO-3
-    process under torchrun that exits with the gloo group alive was seen to abort ("terminate called
-    without an active exception", 4 of 6 runs); torn down first, 0 of 5. DeepSpeed leaves it to the
-    script (which seldom calls destroy_process_group)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def destroy_process_group(group=None):

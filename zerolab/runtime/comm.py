@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from zerolab.runtime import nodes
+from zerolab.runtime.group_exit import close_at_exit
 from zerolab.runtime.handle import Handle, failed  # Handle re-exported: an issued collective
 from zerolab.theory.network import Link, get_link, ring_bytes
 
@@ -124,6 +125,8 @@ class Communicator:
         local = not dist.is_initialized()
         if local and group is not None:
             raise ValueError("a process group was given, but torch.distributed is not initialised")
+        if not local:
+            close_at_exit()   # torch's gloo group, alive at exit, can abort the process (group_exit.py)
         self.rank = 0 if local else dist.get_rank(group)
         self.world_size = 1 if local else dist.get_world_size(group)
         self.backend = "local" if local else dist.get_backend(group)   # "gloo", "nccl", ...
