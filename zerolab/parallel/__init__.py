@@ -15,9 +15,11 @@ from zerolab.parallel.ops import (copy_to_tp, gather_from_sequence, gather_from_
                                   reduce_scatter_to_sequence, scatter_to_sequence, vocab_parallel_cross_entropy)
 from zerolab.parallel.pipeline import pipeline_stage, schedule, split_blocks, train_batch
 from zerolab.parallel.sequence import sequence_parallel_params
-from zerolab.parallel.plan import GPT_PLAN, GPT_SP_PLAN, HF_GPT2_PLAN, gather_3d, gather_tp, tensor_parallel, tp_dims
+from zerolab.parallel.plan import (GPT_PLAN, GPT_SP_PLAN, HF_GPT2_PLAN, HF_LLAMA_PLAN, gather_3d, gather_tp,
+                                   tensor_parallel, tp_dims)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_tp", "reduce_from_tp",
            "gather_from_tp", "vocab_parallel_cross_entropy", "gather_from_sequence", "reduce_scatter_to_sequence",
-           "scatter_to_sequence", "sequence_parallel_params", "GPT_SP_PLAN", "GPT_PLAN", "HF_GPT2_PLAN", "tensor_parallel", "tp_dims", "gather_tp", "gather_3d",
+           "scatter_to_sequence", "sequence_parallel_params", "GPT_SP_PLAN", "GPT_PLAN", "HF_GPT2_PLAN", "HF_LLAMA_PLAN",
+           "tensor_parallel", "tp_dims", "gather_tp", "gather_3d",
            "pipeline_stage", "schedule", "split_blocks", "train_batch"]

@@ -29,6 +29,14 @@ split column-wise keeps ``n_head/tp`` heads.
 
 ``HF_GPT2_PLAN`` does the same for Hugging Face's ``GPT2LMHeadModel`` (its
 ``Conv1D`` layers hold the weight transposed; they become ``nn.Linear``-shaped).
+``HF_LLAMA_PLAN`` converts the Llama family (``LlamaForCausalLM``, Mistral,
+Qwen2: the same module names): q, k, v, and the SwiGLU MLP's gate and up
+column-wise, o and down row-wise, the embedding and the head (tied or not) by
+vocabulary. Grouped-query attention splits its key/value heads like its query
+heads: a rank keeps ``num_attention_heads/tp`` query and ``num_key_value_heads/tp``
+key/value heads, so ``num_key_value_groups`` (their ratio) is unchanged; the
+attention reshapes by ``head_dim`` (-1 heads), RoPE and RMSNorm stay whole. Take
+the loss with ``vocab_parallel_cross_entropy`` (not the model's ``labels=``).
 
 ``tp_dims(model)`` lists each split parameter's dimension by name;
 ``gather_tp(state, dims, mesh)`` puts a state dict's slices back together
@@ -59,10 +67,33 @@ HF_GPT2_PLAN = {
     "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
     "lm_head": "colwise",
 }
+# Hugging Face's Llama family (Llama, Mistral, Qwen2): Megatron's scheme; lm_head by vocabulary, tied or not
+HF_LLAMA_PLAN = {
+    "model.embed_tokens": "vocab",
+    "model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise",
+}
 GPT_SP_PLAN = {"wpe": "sequence"}   # added to GPT_PLAN under sequence_parallel=True
 STYLES = {"colwise": "Linear", "colwise_gather": "Linear", "colwise_qkv": "Linear", "rowwise": "Linear",
           "vocab": "Embedding", "sequence": None}
-HEAD_ATTRS = ("n_head", "num_heads", "split_size")   # divided by tp where a child is split column-wise
+HEAD_ATTRS = ("n_head", "num_heads", "split_size",   # divided by tp where a child is split column-wise
+              "num_key_value_heads")
+# checked (tp must divide them) where a child is split column-wise, never changed: an MLP's width, and
+# a Hugging Face attention's (a module with ``head_dim``) head counts in its config, shared by every layer
+CHECKED_ATTRS, CONFIG_HEADS = ("intermediate_size",), ("num_attention_heads", "num_key_value_heads")
+
+
+def _check_sizes(name: str, module, tp: int) -> None:
+    """A ``ValueError`` naming the size ``tp`` does not divide: whole heads and MLP columns per rank."""
+    sizes = [(a, getattr(module, a, None)) for a in HEAD_ATTRS + CHECKED_ATTRS]
+    if isinstance(getattr(module, "head_dim", None), int):
+        sizes += [(f"config.{a}", getattr(getattr(module, "config", None), a, None)) for a in CONFIG_HEADS]
+    for attr, value in sizes:
+        if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+            raise ValueError(f"tensor_parallel: tp={tp} does not divide {attr}={value} of {name!r}")
 
 
 def _style_of(name: str, plan: dict, used: set):
@@ -121,10 +152,10 @@ def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None, sequence_p
     for n, m in model.named_modules():
         split = [c for c, _ in m.named_children() if f"{n}.{c}".lstrip(".") in
                  {t[0] for t in targets if t[2].startswith("colwise")}]
+        if split:
+            _check_sizes(n, m, tp)
         for attr in HEAD_ATTRS if split else ():
             if isinstance(getattr(m, attr, None), int):
-                if getattr(m, attr) % tp:
-                    raise ValueError(f"tensor_parallel: tp={tp} does not divide {attr}={getattr(m, attr)} of {n!r}")
                 heads.setdefault(n, (m, []))[1].append(attr)
     seq = [n for n, _, s in targets if s == "sequence"]
     new = [(n, _convert(m, s, comm, memo, n)) for n, m, s in targets if s != "sequence"]   # all built first
