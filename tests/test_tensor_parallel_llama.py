@@ -1,7 +1,8 @@
 """Tensor parallelism for Hugging Face's Llama family (HF_LLAMA_PLAN): grouped-query attention (4 query
-heads, 2 key/value heads), RoPE, SwiGLU, RMSNorm, tied and untied heads. A tiny random LlamaConfig (nothing
-downloaded) on 2 gloo ranks: logits, loss and every gradient equal the unconverted model's; ZeRO over
-DP x TP=2 on 4 ranks trains to single-process AdamW's parameters; sizes tp does not divide are named."""
+heads, 2 key/value heads), RoPE, SwiGLU, RMSNorm, tied and untied heads; Mistral and Qwen2 (biased q, k, v)
+share the module names. Tiny random configs (nothing downloaded) on 2 gloo ranks: logits, loss and every
+gradient equal the unconverted model's; ZeRO over DP x TP=2 on 4 ranks trains to single-process AdamW's
+parameters; sizes tp does not divide are named."""
 from __future__ import annotations
 
 import pytest
@@ -18,10 +19,12 @@ SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
              num_key_value_heads=2, max_position_embeddings=64)
 
 
-def build(seed=0, **over):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build(family="llama", seed=0, **over):
+    import transformers
+    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    config = getattr(transformers, f"{name}Config")(**{**SMALL, **over})
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**{**SMALL, **over}))
+    return getattr(transformers, f"{name}ForCausalLM")(config)
 
 
 def ce(logits, y):
@@ -34,17 +37,21 @@ def close(a, b):
 
 
 def _equal_worker(cases):
-    """Per case (tied head?, attention kernel): max |difference| of logits, loss and every gradient."""
+    """Per case (family, tied head?, attention kernel, padding token): max |difference| of logits, loss
+    and every gradient."""
     mesh = zl.mesh(tp=2)
     out = []
-    for tie, attn in cases:
+    for family, tie, attn, pad in cases:
         g = torch.Generator().manual_seed(4)
         x, y = torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g)
-        plain = build(tie_word_embeddings=tie, attn_implementation=attn)
+        if pad is not None:
+            x[0, 3] = pad   # the padding row (rank 1's) is looked up: its gradient must stay zero
+        over = dict(tie_word_embeddings=tie, attn_implementation=attn, pad_token_id=pad)
+        plain = build(family, **over)
         ref_logits = plain(input_ids=x, use_cache=False).logits
         ref_loss = ce(ref_logits, y)
         ref_loss.backward()
-        model = tensor_parallel(build(tie_word_embeddings=tie, attn_implementation=attn), mesh, HF_LLAMA_PLAN)
+        model = tensor_parallel(build(family, **over), mesh, HF_LLAMA_PLAN)
         logits = model(input_ids=x, use_cache=False).logits
         loss = vocab_parallel_cross_entropy(logits, y, mesh)
         loss.backward()
@@ -60,25 +67,28 @@ def _equal_worker(cases):
             "tied": model.lm_head.weight is model.model.embed_tokens.weight,
             "groups": attn_m.num_key_value_groups, "head_dim": attn_m.head_dim,
             "shapes": {k: tuple(getattr(attn_m, k).weight.shape) for k in ("q_proj", "k_proj", "o_proj")},
-            "head_dims": dims["lm_head.weight"], "local_vocab": logits.shape[-1]})
+            "head_dims": dims["lm_head.weight"], "local_vocab": logits.shape[-1],
+            "pad_grad": None if pad is None else grads["model.embed_tokens.weight"][pad].abs().max().item()})
     return out
 
 
-CASES = [(False, "eager"), (True, "sdpa")]
+CASES = [("llama", False, "eager", 70), ("llama", True, "sdpa", None), ("mistral", False, "sdpa", None),
+         ("qwen2", True, "eager", None)]
 
 
 def test_hf_llama_converted_matches_plain():
     results = zl.launch(_equal_worker, 2, args=(CASES,), timeout=180, threads=1)
     for res in results:
-        for (tie, attn), r in zip(CASES, res):
-            assert r["names"] and r["tied"] == tie, (tie, attn)
+        for case, r in zip(CASES, res):
+            assert r["names"] and r["tied"] == case[1], case
             # 2 query and 1 key/value head per rank, head_dim 8: the groups (2) and head_dim unchanged
             assert r["groups"] == 2 and r["head_dim"] == 8
             assert r["shapes"] == {"q_proj": (16, 32), "k_proj": (8, 32), "o_proj": (32, 16)}
             assert r["head_dims"] == (0, 1) and r["local_vocab"] == 64
-            assert r["logits"] <= TOL and r["loss"] <= TOL, (tie, attn, r["logits"], r["loss"])
+            assert r["pad_grad"] in (None, 0.0), case   # untied: the padding row's gradient is exactly zero
+            assert r["logits"] <= TOL and r["loss"] <= TOL, (case, r["logits"], r["loss"])
             bad = {k: v for k, v in r["grads"].items() if not v <= TOL}
-            assert not bad, (tie, attn, bad)
+            assert not bad, (case, bad)
 
 
 STEPS, ROWS, DP = 3, 2, 2   # ROWS sequences per DP rank and step

@@ -10,7 +10,8 @@
   added after the sum, once.
 * ``VocabParallelEmbedding``: the embedding table split by vocabulary rows;
   a token outside this rank's rows looks up zeros, and g sums the ranks'
-  rows into the full embedding.
+  rows into the full embedding. A ``padding_idx`` row gets no gradient, as
+  in ``nn.Embedding`` (on the rank that holds it).
 
 Each layer records which dimension of each parameter is split in
 ``tp_dims`` (``{"weight": (dim, parts), ...}``; parts > 1 for a fused
@@ -148,15 +149,17 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_name = name
         _check_divides("the vocabulary (num_embeddings)", emb.num_embeddings, comm, name)
-        if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
-            raise ValueError(f"{name}: a vocabulary-parallel embedding supports no padding_idx, max_norm or "
-                             f"sparse gradients")
+        if emb.max_norm is not None or emb.sparse:
+            raise ValueError(f"{name}: a vocabulary-parallel embedding supports no max_norm or sparse gradients")
         memo = {} if memo is None else memo
         self.comm = comm
         self.num_embeddings = emb.num_embeddings // comm.world_size
         self.embedding_dim = emb.embedding_dim
         self.start = comm.rank * self.num_embeddings
         self.weight = _split_param(emb.weight, 0, comm, memo)
+        # the padding row (its gradient always zero, as nn.Embedding's): on the rank that holds it, local index
+        pad = emb.padding_idx
+        self.padding_idx = pad - self.start if pad is not None and 0 <= pad - self.start < self.num_embeddings else None
 
     def tp_shapes(self) -> dict:
         return {"weight": (self.num_embeddings, self.embedding_dim)}
@@ -164,7 +167,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx):
         local = idx - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.comm, self.tp_name)
