@@ -148,15 +148,22 @@ def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None, sequence_p
         names = [n for n, _ in model.named_modules() if n][:12]
         raise ValueError(f"tensor_parallel: glob(s) {unused} match no module; module names look like {names}")
     # check every head count before changing anything
-    heads = {}
+    heads, ungathered = {}, []
     for n, m in model.named_modules():
         split = [c for c, _ in m.named_children() if f"{n}.{c}".lstrip(".") in
                  {t[0] for t in targets if t[2].startswith("colwise")}]
         if split:
             _check_sizes(n, m, tp)
+            if isinstance(getattr(m, "head_dim", None), int) and not any(
+                    isinstance(getattr(m, a, None), int) for a in HEAD_ATTRS):
+                ungathered.append(f"{n} ({type(m).__name__})")
         for attr in HEAD_ATTRS if split else ():
             if isinstance(getattr(m, attr, None), int):
                 heads.setdefault(n, (m, []))[1].append(attr)
+    if sequence_parallel and ungathered:   # Llama: its mask and RoPE positions come from the embedding's output
+        raise ValueError(f"tensor_parallel: sequence_parallel=True does not support the attention {ungathered[0]!r} "
+                         f"(no n_head/num_heads: it reads the sequence length of its split input); "
+                         f"use sequence_parallel=False")
     seq = [n for n, _, s in targets if s == "sequence"]
     new = [(n, _convert(m, s, comm, memo, n)) for n, m, s in targets if s != "sequence"]   # all built first
     for n, layer in new:
