@@ -37,16 +37,16 @@ def close(a, b):
 
 
 def _equal_worker(cases):
-    """Per case (family, tied head?, attention kernel, padding token): max |difference| of logits, loss
-    and every gradient."""
+    """Per case (family, tied head?, attention kernel, padding token, config changes): max |difference|
+    of logits, loss and every gradient."""
     mesh = zl.mesh(tp=2)
     out = []
-    for family, tie, attn, pad in cases:
+    for family, tie, attn, pad, more in cases:
         g = torch.Generator().manual_seed(4)
         x, y = torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g)
         if pad is not None:
             x[0, 3] = pad   # the padding row (rank 1's) is looked up: its gradient must stay zero
-        over = dict(tie_word_embeddings=tie, attn_implementation=attn, pad_token_id=pad)
+        over = dict(tie_word_embeddings=tie, attn_implementation=attn, pad_token_id=pad, **more)
         plain = build(family, **over)
         ref_logits = plain(input_ids=x, use_cache=False).logits
         ref_loss = ce(ref_logits, y)
@@ -72,8 +72,11 @@ def _equal_worker(cases):
     return out
 
 
-CASES = [("llama", False, "eager", 70), ("llama", True, "sdpa", None), ("mistral", False, "sdpa", None),
-         ("qwen2", True, "eager", None)]
+# the last: 8 query and 4 key/value heads of head_dim 4, so each rank holds 2 key/value heads, each shared
+# by 2 of its 4 query heads
+CASES = [("llama", False, "eager", 70, {}), ("llama", True, "sdpa", None, {}), ("mistral", False, "sdpa", None, {}),
+         ("qwen2", True, "eager", None, {}), ("llama", False, "eager", None, dict(num_attention_heads=8,
+                                                                                  num_key_value_heads=4))]
 
 
 def test_hf_llama_converted_matches_plain():
@@ -81,8 +84,9 @@ def test_hf_llama_converted_matches_plain():
     for res in results:
         for case, r in zip(CASES, res):
             assert r["names"] and r["tied"] == case[1], case
-            # 2 query and 1 key/value head per rank, head_dim 8: the groups (2) and head_dim unchanged
-            assert r["groups"] == 2 and r["head_dim"] == 8
+            # 2 query and 1 key/value head per rank, head_dim 8 (or 4 and 2 of head_dim 4): the groups
+            # (query heads per key/value head, 2) and head_dim unchanged
+            assert r["groups"] == 2 and r["head_dim"] == 32 // case[4].get("num_attention_heads", 4)
             assert r["shapes"] == {"q_proj": (16, 32), "k_proj": (8, 32), "o_proj": (32, 16)}
             assert r["head_dims"] == (0, 1) and r["local_vocab"] == 64
             assert r["pad_grad"] in (None, 0.0), case   # untied: the padding row's gradient is exactly zero
@@ -93,7 +97,7 @@ def test_hf_llama_converted_matches_plain():
 
 STEPS, ROWS, DP = 3, 2, 2   # ROWS sequences per DP rank and step
 ADAMW = {"lr": 2e-3, "weight_decay": 0.01, "eps": 1e-6}
-TRAIN = [(1, False), (3, True)]   # (ZeRO stage, tied head)
+TRAIN = [(1, False, 0.0), (3, True, 0.0), (2, False, 0.3)]   # (ZeRO stage, tied head, gradient clipping)
 
 
 def data(step):
@@ -101,25 +105,29 @@ def data(step):
     return torch.randint(0, 128, (DP * ROWS, 16), generator=g), torch.randint(0, 128, (DP * ROWS, 16), generator=g)
 
 
-def reference(tie):
+def reference(tie, clip):
     """Single process, torch.optim.AdamW(fused=True), the unsplit model, the whole global batch at once."""
     model = build(tie_word_embeddings=tie)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
+    clipped = 0
     for step in range(STEPS):
         x, y = data(step)
         opt.zero_grad()
         ce(model(input_ids=x, use_cache=False).logits, y).backward()
+        if clip:
+            clipped += bool(torch.nn.utils.clip_grad_norm_(model.parameters(), clip) > clip)
         opt.step()
+    assert clipped == (STEPS if clip else 0), "the clipping threshold does not bind on every step"
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _train_worker(cases):
     mesh = zl.mesh(dp=DP, tp=2)
     out = []
-    for stage, tie in cases:
+    for stage, tie, clip in cases:
         model = tensor_parallel(build(tie_word_embeddings=tie), mesh, HF_LLAMA_PLAN)
         dims = tp_dims(model)
-        engine = zl.initialize(model, {"optimizer": {"type": "AdamW", "params": ADAMW},
+        engine = zl.initialize(model, {"optimizer": {"type": "AdamW", "params": ADAMW}, "gradient_clipping": clip,
                                        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
                                                              "stage3_param_persistence_threshold": 0}}, mesh=mesh)
         for step in range(STEPS):
@@ -138,10 +146,10 @@ def trained():
     return zl.launch(_train_worker, 2 * DP, args=(TRAIN,), timeout=300, threads=1)
 
 
-@pytest.mark.parametrize("ci", range(len(TRAIN)), ids=[f"stage{s}-tied{t}" for s, t in TRAIN])
+@pytest.mark.parametrize("ci", range(len(TRAIN)), ids=[f"stage{s}-tied{t}-clip{c}" for s, t, c in TRAIN])
 def test_tp2_dp2_llama_trains_like_single_process(trained, ci):
-    stage, tie = TRAIN[ci]
-    want = reference(tie)
+    stage, tie, clip = TRAIN[ci]
+    want = reference(tie, clip)
     got = trained[0][ci]
     assert set(got) <= set(want) and set(want) - set(got) <= ({"lm_head.weight"} if tie else set()), \
         sorted(set(got) ^ set(want))
