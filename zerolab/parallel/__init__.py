@@ -20,6 +20,6 @@ from zerolab.parallel.plan import (GPT_PLAN, GPT_SP_PLAN, HF_GPT2_PLAN, HF_LLAMA
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_tp", "reduce_from_tp",
            "gather_from_tp", "vocab_parallel_cross_entropy", "gather_from_sequence", "reduce_scatter_to_sequence",
-           "scatter_to_sequence", "sequence_parallel_params", "GPT_SP_PLAN", "GPT_PLAN", "HF_GPT2_PLAN", "HF_LLAMA_PLAN",
-           "tensor_parallel", "tp_dims", "gather_tp", "gather_3d",
+           "scatter_to_sequence", "sequence_parallel_params", "GPT_SP_PLAN", "GPT_PLAN", "HF_GPT2_PLAN",
+           "HF_LLAMA_PLAN", "tensor_parallel", "tp_dims", "gather_tp", "gather_3d",
            "pipeline_stage", "schedule", "split_blocks", "train_batch"]
