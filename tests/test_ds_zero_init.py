@@ -153,3 +153,30 @@ def test_dtype_is_deepspeeds_choice(kwargs, want):
     for p in model.parameters():
         assert p.dtype == p._zl_piece.dtype == want
     assert torch.equal(model.fc.weight._zl_piece, script.FIXED[:4, :4].reshape(-1).to(want))
+
+
+# ---------------------------------------------------------------- a meta-device model (without zero.Init)
+def _meta_rank():
+    import zerolab.deepspeed as deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = deepspeed.comm.get_rank()
+    with torch.device("meta"):
+        model = Small()
+    with deepspeed.zero.GatheredParameters([model.scale], modifier_rank=0), torch.no_grad():
+        model.scale.fill_(script.MID if rank == 0 else -5.0)
+    with deepspeed.zero.GatheredParameters([model.fc.bias]), torch.no_grad():
+        model.fc.bias.fill_(script.DROPPED)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=script.CONFIG, model_parameters=model.parameters())
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.slow
+def test_a_meta_device_models_edits_before_initialize_follow_modifier_rank():
+    """Built on the meta device, not under zero.Init: rank 0's edit is kept aside and written into the
+    shards by initialize; the read-only block's edit is dropped (the bias comes from reset_parameters)."""
+    got = zl.launch(_meta_rank, world_size=2, timeout=120, threads=1)
+    for sd in got:
+        assert sd["scale"].eq(script.MID).all(), "rank 0's modifier_rank=0 edit did not arrive"
+        assert sd["fc.bias"].ne(script.DROPPED).all(), "a modifier_rank=None edit was kept"
+    close(got[1], got[0], 0)
