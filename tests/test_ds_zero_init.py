@@ -135,6 +135,10 @@ def test_without_a_process_group_the_pieces_are_whole_and_gathered_edits_follow_
     with zds.zero.GatheredParameters(model.scale), torch.no_grad():
         model.scale.fill_(7.0)   # dropped
     assert model.scale.is_meta and torch.equal(model.scale._zl_piece, torch.full((4,), 2.0))
+    with zds.zero.GatheredParameters(model.scale), pytest.raises(RuntimeError, match="nested"):
+        with zds.zero.GatheredParameters([model.fc.weight, model.scale]):
+            pass
+    assert model.scale.is_meta and model.fc.weight.is_meta
     with pytest.raises(ValueError, match="modifier_rank=1"):
         with zds.zero.GatheredParameters(model.scale, modifier_rank=1):
             pass

@@ -238,6 +238,9 @@ class GatheredParameters:
         # zero.Init's parameters, in construction order (the same on every rank)
         pieces = sorted((p for p in unique if getattr(p, "_zl_piece", None) is not None),
                         key=lambda p: getattr(p, "_zl_order", -1))
+        if any(not p.is_meta for p in pieces):   # DeepSpeed refuses the same overlap
+            raise RuntimeError("GatheredParameters: nested blocks cannot gather the same parameter twice; "
+                               "it is already whole inside an enclosing GatheredParameters")
         for p in pieces:
             full = _gather(p)
             piece = p._zl_piece
