@@ -240,12 +240,18 @@ def test_client_optimizer_groups_become_the_config_and_model_parameters():
     assert groups[1]["params"] == list(model.fc2.parameters())
 
 
-def test_zero_init_builds_on_the_meta_device_and_refuses_what_it_cannot_do():
+def test_zero_init_keeps_the_constructors_values_and_refuses_what_it_cannot_do():
+    torch.manual_seed(0)
     with zds.zero.Init(config_dict_or_path=ds_config(3)):
         model = script.Net()
-    assert all(p.is_meta for p in model.parameters())
+    want = _model()   # the same seed, built plainly
+    assert all(p.is_meta for p in model.parameters())   # partitioned: one rank, so each piece is whole
+    for (n, p), w in zip(model.named_parameters(), want.parameters()):
+        assert torch.equal(p._zl_piece, w.detach().reshape(-1)), n
     with zds.zero.Init(enabled=False):
         assert not script.Net().fc1.weight.is_meta
+    with pytest.raises(ValueError, match="torch.bfloat16"):
+        zds.zero.Init(dtype=torch.int8)
     for kwargs, match in (({"module": model}, "module="), ({"mpu": object()}, "mpu"),
                           ({"remote_device": "cpu"}, "offload_param")):
         with pytest.raises(NotImplementedError, match=match):

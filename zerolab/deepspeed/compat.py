@@ -31,11 +31,14 @@ TABLE = [
     ("deepspeed.comm.get_rank / get_world_size / get_local_rank / barrier / all_reduce / broadcast / all_gather",
      SUPPORTED, "torch.distributed underneath, as in DeepSpeed"),
     ("deepspeed.zero.Init", DIFFERS,
-     "the model is built on the meta device and materialised shard by shard at initialize (values from each "
-     "module's reset_parameters); module=, remote_device= and process groups are refused"),
+     "zl.zero_init(): the constructor's values, broadcast from rank 0, each rank keeping its piece; a module "
+     "is partitioned when attached to its parent, not when its own __init__ returns (a value set in between is "
+     "kept here, lost in DeepSpeed); dtype cast after construction; module=, remote_device= and process groups "
+     "are refused"),
     ("deepspeed.zero.GatheredParameters", DIFFERS,
+     "before initialize as DeepSpeed (whole values from the pieces; modifier_rank's edits kept, None's dropped); "
      "an edit made with modifier_rank after initialize is kept (DeepSpeed's next step overwrites it from its "
-     "fp32 partition); before initialize both agree"),
+     "fp32 partition)"),
     ("deepspeed.utils.RepeatingLoader", SUPPORTED, "restarts the loader when it runs out"),
     ("deepspeed.utils.set_z3_leaf_modules / unset_z3_leaf_modules / get_z3_leaf_modules", SUPPORTED,
      "the marked module is one ZeRO-3 unit, gathered whole on every rank (an MoE block whose experts may get "

@@ -5,7 +5,8 @@ returns its four values ``(engine, optimizer, training_dataloader,
 lr_scheduler)``: the config comes from ``config`` (a dict, a JSON path) or
 ``args.deepspeed_config``; a client optimizer is read into the config
 (``client.py``); the model is wrapped by ``zl.initialize`` (a model built under
-``zero.Init`` is on the meta device and is materialised there); with
+``zero.Init`` holds one piece of each parameter per rank; they are gathered there,
+unit by unit); with
 ``training_data`` the loader has DeepSpeed's batch order (``data.py``).
 A ``deepspeed.pipe.PipelineModule`` gets zerolab's pipeline over its own mesh
 and the pipeline engine (``pipe_engine.py``). Model parallelism (``mpu``,
@@ -100,7 +101,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine = zl_initialize(model, raw, model_parameters=_groups(model, model_parameters),
                            **({"mesh": model.mesh} if pipe else {}))
     register(engine)
-    apply_pending_edits(engine)   # GatheredParameters(..., modifier_rank=r) edits made under zero.Init
+    apply_pending_edits(engine)   # GatheredParameters(..., modifier_rank=r) edits to a meta-device model
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args is not None and hasattr(args, "local_rank"):
         args.local_rank = local_rank   # DeepSpeed aligns args.local_rank with the launcher's LOCAL_RANK

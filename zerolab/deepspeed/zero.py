@@ -1,55 +1,77 @@
 """``deepspeed.zero``: ``Init`` (partitioned construction) and ``GatheredParameters`` (chapter 6's gather).
 
-``zero.Init`` here builds the model on the **meta device**: inside the block
-every parameter is a shape without storage, so no rank ever holds the whole
-model; ``deepspeed.initialize`` then materialises it unit by unit (stage 3:
-each rank allocates only its shard; ``zerolab.engine.bigmodel.materialize``), filling
-the values with each module's ``reset_parameters()``. DeepSpeed's ``zero.Init``
-instead runs the constructors for real and partitions each parameter as soon as
-its module is built. Two consequences: a model's ``__init__`` that computes a
-value (a buffer filled by arithmetic, a custom initialisation outside
-``reset_parameters``) gets no value here -- the engine reports such tensors as
-uninitialised; load the weights with ``engine.load_state_dict`` or edit them
-inside ``GatheredParameters(..., modifier_rank=0)`` after ``initialize``; and
-the initial values come from the random stream at ``initialize``, not at
-construction.
+``zero.Init`` here is ``zl.zero_init()`` (``zerolab.engine.bigmodel.zero_init``),
+the idea of DeepSpeed's own: every module is built for real, and as soon as it
+is complete each of its parameters is broadcast from rank 0, cut into one piece
+per rank, this rank keeps its piece and the parameter goes to the meta device.
+So the values are the constructor's own (a custom ``nn.init`` call in
+``__init__``, weights copied in), no rank holds more than one module whole,
+and ``deepspeed.initialize`` gathers the pieces unit by unit into its shards.
+Without a process group the pieces are the whole parameters (under a
+launcher's environment the block first starts one, as DeepSpeed's does). Every rank must
+build the same model inside the block (the broadcasts pair up in order).
+Buffers are left as built, whole. One difference: a module is partitioned here
+when it is attached to its parent, in DeepSpeed when its own ``__init__``
+returns, so a value its parent sets in between (``lin = nn.Linear(..);
+nn.init.zeros_(lin.bias); self.lin = lin``) is kept here and lost in DeepSpeed
+(an in-place op on its empty placeholder); values a module's own ``__init__``
+sets are kept by both (measured with tests/ds_zero_init_run.py).
 
-The DeepSpeed pattern of editing weights between construction and
-``initialize`` (``with GatheredParameters(model.fc.weight, modifier_rank=0):``
-right after ``zero.Init``) works: inside the block the meta parameters get
-real, full storage on every rank (as DeepSpeed gathers them), and on leaving
-it rank ``modifier_rank``'s values are kept aside (without ``modifier_rank``
-the edits are dropped, as DeepSpeed drops them); ``initialize`` then writes
-them into the shards through ``zl.gathered_parameters(..., modifier_rank)``.
-Until then that rank holds those full tensors: edit a few parameters this way,
-not a whole large model.
+``dtype``, as DeepSpeed reads it: the given one, else the config's (``bf16``
+enabled: bfloat16, ``fp16``: float16, else float32); one of float32, float16,
+bfloat16. The floating parameters are cast to it when partitioned -- after the
+constructor ran in its own dtype, where DeepSpeed makes every floating tensor
+in that dtype as it is created (a random draw then rounds the same way, an
+arithmetic on it may not). Without ``dtype`` and without a config the
+parameters keep the constructor's dtype (DeepSpeed then picks float16 or
+bfloat16 by accelerator).
 
-``GatheredParameters(params, modifier_rank=None)`` is ``zl.gathered_parameters``
-on the engine that owns ``params``: at stage 3 the units holding them are
-all-gathered for the block (collective: every rank enters) and, with
-``modifier_rank=r``, rank r's in-place edits are broadcast back into every
-rank's shard. Parameters no engine owns are left alone, as DeepSpeed leaves
-parameters that are not partitioned. One difference, measured against
-DeepSpeed 0.19.8 (ZeRO-3, fp32, CPU): an edit made this way *after*
-``initialize`` is kept here (the fp32 master takes the edited elements), while
-DeepSpeed's next optimizer step copies its own fp32 partition back over it.
-Edit before ``initialize`` (right after ``zero.Init``) and both agree.
+``GatheredParameters(params, modifier_rank=None)``:
+
+* on parameters built under ``zero.Init`` and not yet given to ``initialize``
+  (the DeepSpeed pattern of loading or editing weights right after building):
+  inside the block each one is whole on every rank (all-gathered from the
+  pieces, one collective per parameter in construction order, whatever order
+  ``params`` lists them in, as DeepSpeed sorts by its ids); on leaving it, with
+  ``modifier_rank=r`` rank r's values are broadcast and every rank keeps its new
+  piece; with ``modifier_rank=None`` the pieces are left as they were and the
+  edits dropped, as DeepSpeed drops them;
+* on an engine's parameters: ``zl.gathered_parameters`` on the engine that owns
+  them (stage 3: the units holding them all-gathered for the block; with
+  ``modifier_rank=r`` rank r's in-place edits broadcast back into every shard);
+* on a model built on the meta device (``with torch.device("meta")``) before
+  ``initialize``: full, zero-filled storage for the block; rank r's values are
+  kept aside and written into the shards by ``initialize`` (``apply_pending_edits``);
+* on any other parameter: nothing, as DeepSpeed leaves parameters it did not
+  partition.
+
+One difference, measured against DeepSpeed 0.19.8 (ZeRO-3, fp32, CPU): an edit
+made with ``modifier_rank`` *after* ``initialize`` is kept here (the fp32
+master takes the edited elements), while DeepSpeed's next optimizer step copies
+its own fp32 partition back over it. Before ``initialize`` both agree.
 """
 from __future__ import annotations
 
+import itertools
+import os
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerolab.config import Config
+from zerolab.deepspeed import comm
 from zerolab.engine import gathered_parameters
+from zerolab.engine.bigmodel.zero_init import zero_init
 
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()   # zerolab engines built by deepspeed.initialize
 # id(meta parameter) -> (the parameter, modifier rank, its values on that rank / None elsewhere): edits
-# made before initialize, written into the shards by apply_pending_edits (a weak reference would stop
-# torch.utils.swap_tensors, which materialising the model uses)
+# made before initialize to a meta-device model, written into the shards by apply_pending_edits (a weak
+# reference would stop torch.utils.swap_tensors, which materialising the model uses)
 _PENDING: dict = {}
+_ORDER = itertools.count()   # construction order of zero.Init's parameters (the gathers' order on every rank)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def register(engine) -> None:
@@ -82,11 +104,29 @@ def apply_pending_edits(engine) -> None:
 
 
 def _swap(p, value) -> None:
+    """``p`` takes ``value``'s tensor, staying the same Python object with its attributes
+    (``torch.utils.swap_tensors`` swaps ``__dict__`` too)."""
+    attrs = dict(p.__dict__)
     torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+    p.__dict__.update(attrs)
+
+
+def _rank_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def init_dtype(config, dtype):
+    """DeepSpeed's choice of ``zero.Init``'s dtype: ``dtype``, else the config's precision (None: neither)."""
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ValueError(f"zero.Init(dtype={dtype!r}): DeepSpeed allows torch.float32, torch.float16 or "
+                             f"torch.bfloat16")
+        return dtype
+    return None if config is None else getattr(torch, Config.from_deepspeed(config).compute_dtype)
 
 
 class Init:
-    """``with deepspeed.zero.Init(config_dict_or_path=ds_config): model = build()`` -- on the meta device."""
+    """``with deepspeed.zero.Init(config_dict_or_path=ds_config): model = build()`` -- ``zl.zero_init()``."""
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
                  pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
@@ -108,26 +148,71 @@ class Init:
         if remote_device not in (None, "none"):
             raise NotImplementedError(f"zero.Init(remote_device={remote_device!r}): where the shards live is the "
                                       f"config's zero_optimization.offload_param.device, read at initialize")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"zero.Init(dtype=...): expected a floating torch.dtype, got {dtype!r}")
         self.enabled, self.config = enabled, config_dict_or_path if config_dict_or_path is not None else config
-        self._device = None
+        self.dtype = init_dtype(self.config, dtype) if enabled else None
+        self._cm, self._built, self._original = None, [], None
 
     def __enter__(self):
-        if self.enabled:
-            self._device = torch.device("meta")
-            self._device.__enter__()   # factory calls without a device now build meta tensors
+        if not self.enabled:
+            return self
+        if not dist.is_initialized() and all(k in os.environ for k in comm._LAUNCHER_ENV):
+            comm.init_distributed()   # under a launcher, as DeepSpeed's zero.Init does; else one rank
+        original, built = nn.Module.__init__, self._built
+
+        def track(module, *args, **kwargs):   # every module built in the block, in the same order on every rank
+            original(module, *args, **kwargs)
+            built.append(module)
+
+        self._original, nn.Module.__init__ = original, track
+        self._cm = zero_init()
+        try:
+            self._cm.__enter__()
+        except BaseException:
+            nn.Module.__init__, self._cm = original, None
+            raise
         return self
 
     def __exit__(self, *exc):
-        if self._device is not None:
-            self._device.__exit__(*exc)
-            self._device = None
+        if self._cm is None:
+            return False
+        cm, self._cm = self._cm, None
+        try:
+            cm.__exit__(*exc)   # partitions the roots' own parameters (no exception)
+        finally:
+            nn.Module.__init__ = self._original
+        built, self._built = self._built, []
+        if exc[0] is None:
+            seen = set()
+            for m in built:
+                for p in m.parameters(recurse=False):
+                    if getattr(p, "_zl_piece", None) is not None and id(p) not in seen:
+                        seen.add(id(p))
+                        self._finish(p)
         return False
+
+    def _finish(self, p) -> None:
+        """Give a partitioned parameter its place in the gathering order and ``dtype``."""
+        if not hasattr(p, "_zl_order"):
+            p._zl_order = next(_ORDER)
+        if self.dtype is not None and p.dtype.is_floating_point and p.dtype != self.dtype:
+            piece = p._zl_piece.to(self.dtype)
+            _swap(p, torch.empty(p.shape, dtype=self.dtype, device="meta"))
+            p._zl_piece = piece
+
+
+def _gather(p) -> torch.Tensor:
+    """The whole of a ``zero.Init`` parameter from every rank's piece (collective), shaped."""
+    mine, (_, world) = p._zl_piece, _rank_world()
+    if world == 1:
+        return mine[: p.numel()].clone().view(p.shape)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    return torch.cat(parts)[: p.numel()].view(p.shape)
 
 
 class GatheredParameters:
-    """``with deepspeed.zero.GatheredParameters(params, modifier_rank=None): ...`` (collective at stage 3)."""
+    """``with deepspeed.zero.GatheredParameters(params, modifier_rank=None): ...`` (collective at stage 3
+    and on ``zero.Init``'s parameters)."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
         if fwd_module is not None:
@@ -136,32 +221,60 @@ class GatheredParameters:
         if isinstance(params, torch.Tensor):
             params = [params]
         self.params = [p for p in (params or []) if p is not None]
-        self.modifier_rank, self.enabled, self._cm, self._meta = modifier_rank, enabled, None, []
+        self.modifier_rank, self.enabled, self._cm, self._meta, self._pieces = modifier_rank, enabled, None, [], []
 
     def __enter__(self):
         if not self.enabled or not self.params:
             return None
         engine = engine_of(self.params)
-        if engine is None:   # before initialize: meta parameters (zero.Init) get full storage for the block
-            self._meta = [p for p in self.params if p.is_meta]
-            for p in self._meta:
-                pending = _PENDING.get(id(p))
-                value = pending[2] if pending is not None and pending[2] is not None else None
-                _swap(p, value.clone() if value is not None else torch.zeros(p.shape, dtype=p.dtype))
-            return None   # parameters no engine partitions are left alone, as DeepSpeed
-        self._cm = gathered_parameters(engine, self.params, self.modifier_rank)
-        return self._cm.__enter__()
+        if engine is not None:
+            self._cm = gathered_parameters(engine, self.params, self.modifier_rank)
+            return self._cm.__enter__()
+        world = _rank_world()[1]
+        if self.modifier_rank is not None and not (isinstance(self.modifier_rank, int) and 0 <= self.modifier_rank < world):
+            raise ValueError(f"GatheredParameters(modifier_rank={self.modifier_rank!r}): expected None or a rank "
+                             f"in 0..{world - 1}")
+        unique = list({id(p): p for p in self.params}.values())
+        # zero.Init's parameters, in construction order (the same on every rank)
+        pieces = sorted((p for p in unique if getattr(p, "_zl_piece", None) is not None),
+                        key=lambda p: getattr(p, "_zl_order", -1))
+        if any(not p.is_meta for p in pieces):   # DeepSpeed refuses the same overlap
+            raise RuntimeError("GatheredParameters: nested blocks cannot gather the same parameter twice; "
+                               "it is already whole inside an enclosing GatheredParameters")
+        for p in pieces:
+            full = _gather(p)
+            piece = p._zl_piece
+            _swap(p, full)
+            p._zl_piece = piece
+        self._pieces = pieces
+        # a meta-device model's parameters (built without zero.Init) get full storage for the block
+        self._meta = [p for p in unique if p.is_meta and getattr(p, "_zl_piece", None) is None]
+        for p in self._meta:
+            pending = _PENDING.get(id(p))
+            value = pending[2] if pending is not None and pending[2] is not None else None
+            _swap(p, value.clone() if value is not None else torch.zeros(p.shape, dtype=p.dtype))
+        return None   # parameters no engine partitions are left alone, as DeepSpeed
 
     def __exit__(self, *exc):
-        meta, self._meta = getattr(self, "_meta", []), []
-        if meta:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            for p in meta:
-                if self.modifier_rank is not None and exc[0] is None:
-                    value = p.detach().clone() if rank == self.modifier_rank else None
-                    _PENDING[id(p)] = (p, self.modifier_rank, value)
-                _swap(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
-            return False
+        pieces, meta, self._pieces, self._meta = self._pieces, self._meta, [], []
+        keep = self.modifier_rank is not None and exc[0] is None
+        rank, world = _rank_world()
+        for p in pieces:
+            piece = p._zl_piece
+            if keep:   # rank modifier_rank's values to every rank; each keeps its new piece
+                full = p.detach().to(piece.dtype).contiguous().view(-1)
+                if world > 1:
+                    dist.broadcast(full, src=self.modifier_rank)
+                lo, hi = min(rank * piece.numel(), full.numel()), min((rank + 1) * piece.numel(), full.numel())
+                piece = torch.zeros_like(piece)
+                piece[: hi - lo].copy_(full[lo:hi])
+            _swap(p, torch.empty(p.shape, dtype=piece.dtype, device="meta"))
+            p._zl_piece = piece
+        for p in meta:
+            if keep:
+                value = p.detach().clone() if rank == self.modifier_rank else None
+                _PENDING[id(p)] = (p, self.modifier_rank, value)
+            _swap(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
         if self._cm is None:
             return False
         cm, self._cm = self._cm, None
