@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerolab as zl
+from tp_util import assert_named, conversion_errors
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
 from zerolab.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_tp,
                               tensor_parallel, tp_dims, vocab_parallel_cross_entropy)
@@ -138,21 +139,12 @@ def test_tinygpt_default_plan_matches_plain_model():
 
 def _bad_worker():
     mesh = zl.mesh(tp=2)
-    errors = []
-    for build, plan in [(lambda: TinyGPT(vocab=128, n_head=3, d_model=48, n_layer=1, seq_len=8), None),
-                        (lambda: TinyGPT(vocab=127, n_head=2, d_model=32, n_layer=1, seq_len=8), None),
-                        (lambda: nn.Sequential(nn.Linear(4, 7)), {"0": "colwise"}),
-                        (lambda: nn.Sequential(nn.Linear(4, 8)), {"*.up": "colwise"}),
-                        (lambda: nn.Sequential(nn.Linear(4, 8)), {"0": "diagonal"}),
-                        (lambda: nn.Sequential(nn.ReLU()), {"0": "rowwise"})]:
-        model = build()
-        before = [n for n, _ in model.named_modules()]
-        try:
-            tensor_parallel(model, mesh, plan)
-            errors.append(None)
-        except ValueError as e:
-            errors.append((str(e), [n for n, _ in model.named_modules()] == before))
-    return errors
+    return conversion_errors([(lambda: TinyGPT(vocab=128, n_head=3, d_model=48, n_layer=1, seq_len=8), None, False),
+                              (lambda: TinyGPT(vocab=127, n_head=2, d_model=32, n_layer=1, seq_len=8), None, False),
+                              (lambda: nn.Sequential(nn.Linear(4, 7)), {"0": "colwise"}, False),
+                              (lambda: nn.Sequential(nn.Linear(4, 8)), {"*.up": "colwise"}, False),
+                              (lambda: nn.Sequential(nn.Linear(4, 8)), {"0": "diagonal"}, False),
+                              (lambda: nn.Sequential(nn.ReLU()), {"0": "rowwise"}, False)], mesh)
 
 
 def test_bad_plans_are_named():
@@ -163,9 +155,7 @@ def test_bad_plans_are_named():
              "glob(s) ['*.up'] match no module",
              "unknown style(s) {'0': 'diagonal'}",
              "'rowwise' applies to an nn.Linear; '0' is a ReLU"]
-    for got, want in zip(errors, wants):
-        assert got is not None and want in got[0], (want, got)
-        assert got[1], f"the model was changed before the error: {want}"
+    assert_named(errors, wants)
 
 
 def _hf_gpt2_worker():

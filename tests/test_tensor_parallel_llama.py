@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import zerolab as zl
+from tp_util import assert_named, conversion_errors
 from zerolab.parallel import (HF_LLAMA_PLAN, gather_from_tp, gather_tp, tensor_parallel, tp_dims,
                               vocab_parallel_cross_entropy)
 
@@ -163,18 +164,10 @@ def test_tp2_dp2_llama_trains_like_single_process(trained, ci):
 
 def _bad_worker():
     mesh = zl.mesh(tp=2)
-    errors = []
-    for over, sp in [(dict(num_attention_heads=4, num_key_value_heads=1), False),   # k_proj: 8 features, 1 head
-                     (dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3), False),
-                     (dict(intermediate_size=63), False), (dict(vocab_size=127), False), ({}, True)]:
-        model = build(**over)
-        before = [(n, type(m)) for n, m in model.named_modules()]
-        try:
-            tensor_parallel(model, mesh, HF_LLAMA_PLAN, sequence_parallel=sp)
-            errors.append(None)
-        except ValueError as e:
-            errors.append((str(e), [(n, type(m)) for n, m in model.named_modules()] == before))
-    return errors
+    cases = [(dict(num_attention_heads=4, num_key_value_heads=1), False),   # k_proj: 8 features, 1 head
+             (dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3), False),
+             (dict(intermediate_size=63), False), (dict(vocab_size=127), False), ({}, True)]
+    return conversion_errors([(lambda over=over: build(**over), HF_LLAMA_PLAN, sp) for over, sp in cases], mesh)
 
 
 def test_sizes_tp_does_not_divide_are_named():
@@ -184,7 +177,4 @@ def test_sizes_tp_does_not_divide_are_named():
              "tp=2 does not divide intermediate_size=63 of 'model.layers.0.mlp'",
              "model.embed_tokens: tp=2 does not divide the vocabulary (num_embeddings)=127",
              "sequence_parallel=True does not support the attention 'model.layers.0.self_attn (LlamaAttention)'"]
-    assert len(errors) == len(wants)
-    for got, want in zip(errors, wants):
-        assert got is not None and want in got[0], (want, got)
-        assert got[1], f"the model was changed before the error: {want}"
+    assert_named(errors, wants)
