@@ -19,6 +19,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+
+from zerolab.runtime.group_exit import close_at_exit
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -50,6 +52,7 @@ def train(deepspeed, argv=(), epochs: int = 2, client_optimizer: bool = False, z
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(list(argv))
     deepspeed.init_distributed(dist_backend="gloo")
+    close_at_exit()   # DeepSpeed leaves torch's gloo group alive at exit: it can abort (runtime/group_exit.py)
 
     torch.manual_seed(0)
     model = Net()

@@ -12,5 +12,7 @@ import sys
 if os.environ.get("DS_LIB") == "deepspeed":
     importlib.import_module("deepspeed.comm.torch")
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *a, **k: None
+    from zerolab.runtime.group_exit import close_at_exit
+    close_at_exit()   # DeepSpeed leaves torch's gloo group alive at exit: it can abort (runtime/group_exit.py)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

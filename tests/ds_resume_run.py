@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from zerolab.runtime.group_exit import close_at_exit
+
 
 def _fixture_module():
     """tests/fixtures/make_ds_checkpoints.py, loaded by its path: putting tests/fixtures on ``sys.path``
@@ -92,6 +94,7 @@ def rank_main(rank, work, stage, world, dtype, k, m, port):
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *a, **kw: None
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
+    close_at_exit()   # DeepSpeed leaves torch's gloo group alive at exit: it can abort (runtime/group_exit.py)
     work = Path(work)
     a = _engine(deepspeed, stage, dtype, 0)
     losses = {"A": _train(a, rank, 0, k)}

@@ -20,6 +20,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+
+from zerolab.runtime.group_exit import close_at_exit
 from torch import nn
 
 D, STEPS, LR, WD, CLIP = 6, 3, 1e-2, 0.01, 1.0
@@ -65,6 +67,7 @@ MID, DROPPED = 0.3, 9.0   # rank 0's kept edit of mid.weight; everyone's dropped
 def run(deepspeed, seed_by_rank: bool = False) -> dict:
     """Build under zero.Init, read and edit before initialize, train STEPS steps at ZeRO-3."""
     deepspeed.init_distributed(dist_backend="gloo")
+    close_at_exit()   # DeepSpeed leaves torch's gloo group alive at exit: it can abort (runtime/group_exit.py)
     rank = deepspeed.comm.get_rank()
     torch.manual_seed(100 + rank if seed_by_rank else 100)   # rank 0's values are broadcast at construction
     with deepspeed.zero.Init(config_dict_or_path=CONFIG):
