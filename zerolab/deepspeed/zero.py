@@ -52,7 +52,6 @@ its own fp32 partition back over it. Before ``initialize`` both agree.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import weakref
 
@@ -63,14 +62,14 @@ from torch import nn
 from zerolab.config import Config
 from zerolab.deepspeed import comm
 from zerolab.engine import gathered_parameters
-from zerolab.engine.bigmodel.zero_init import zero_init
+from zerolab.engine.bigmodel.zero_init import cut_piece, gather_piece, rank_world, zero_init
+from zerolab.runtime.comm import Communicator
 
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()   # zerolab engines built by deepspeed.initialize
 # id(meta parameter) -> (the parameter, modifier rank, its values on that rank / None elsewhere): edits
 # made before initialize to a meta-device model, written into the shards by apply_pending_edits (a weak
 # reference would stop torch.utils.swap_tensors, which materialising the model uses)
 _PENDING: dict = {}
-_ORDER = itertools.count()   # construction order of zero.Init's parameters (the gathers' order on every rank)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -111,10 +110,6 @@ def _swap(p, value) -> None:
     p.__dict__.update(attrs)
 
 
-def _rank_world():
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
 def init_dtype(config, dtype):
     """DeepSpeed's choice of ``zero.Init``'s dtype: ``dtype``, else the config's precision (None: neither)."""
     if dtype is not None:
@@ -150,64 +145,20 @@ class Init:
                                       f"config's zero_optimization.offload_param.device, read at initialize")
         self.enabled, self.config = enabled, config_dict_or_path if config_dict_or_path is not None else config
         self.dtype = init_dtype(self.config, dtype) if enabled else None
-        self._cm, self._built, self._original = None, [], None
+        self._cm = None
 
     def __enter__(self):
         if not self.enabled:
             return self
         if not dist.is_initialized() and all(k in os.environ for k in comm._LAUNCHER_ENV):
             comm.init_distributed()   # under a launcher, as DeepSpeed's zero.Init does; else one rank
-        original, built = nn.Module.__init__, self._built
-
-        def track(module, *args, **kwargs):   # every module built in the block, in the same order on every rank
-            original(module, *args, **kwargs)
-            built.append(module)
-
-        self._original, nn.Module.__init__ = original, track
-        self._cm = zero_init()
-        try:
-            self._cm.__enter__()
-        except BaseException:
-            nn.Module.__init__, self._cm = original, None
-            raise
+        self._cm = zero_init(self.dtype)
+        self._cm.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self._cm is None:
-            return False
         cm, self._cm = self._cm, None
-        try:
-            cm.__exit__(*exc)   # partitions the roots' own parameters (no exception)
-        finally:
-            nn.Module.__init__ = self._original
-        built, self._built = self._built, []
-        if exc[0] is None:
-            seen = set()
-            for m in built:
-                for p in m.parameters(recurse=False):
-                    if getattr(p, "_zl_piece", None) is not None and id(p) not in seen:
-                        seen.add(id(p))
-                        self._finish(p)
-        return False
-
-    def _finish(self, p) -> None:
-        """Give a partitioned parameter its place in the gathering order and ``dtype``."""
-        if not hasattr(p, "_zl_order"):
-            p._zl_order = next(_ORDER)
-        if self.dtype is not None and p.dtype.is_floating_point and p.dtype != self.dtype:
-            piece = p._zl_piece.to(self.dtype)
-            _swap(p, torch.empty(p.shape, dtype=self.dtype, device="meta"))
-            p._zl_piece = piece
-
-
-def _gather(p) -> torch.Tensor:
-    """The whole of a ``zero.Init`` parameter from every rank's piece (collective), shaped."""
-    mine, (_, world) = p._zl_piece, _rank_world()
-    if world == 1:
-        return mine[: p.numel()].clone().view(p.shape)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine)
-    return torch.cat(parts)[: p.numel()].view(p.shape)
+        return False if cm is None else cm.__exit__(*exc)   # partitions the roots' own parameters
 
 
 class GatheredParameters:
@@ -230,22 +181,19 @@ class GatheredParameters:
         if engine is not None:
             self._cm = gathered_parameters(engine, self.params, self.modifier_rank)
             return self._cm.__enter__()
-        world = _rank_world()[1]
+        world = rank_world()[1]
         if self.modifier_rank is not None and not (isinstance(self.modifier_rank, int) and 0 <= self.modifier_rank < world):
             raise ValueError(f"GatheredParameters(modifier_rank={self.modifier_rank!r}): expected None or a rank "
                              f"in 0..{world - 1}")
         unique = list({id(p): p for p in self.params}.values())
-        # zero.Init's parameters, in construction order (the same on every rank)
-        pieces = sorted((p for p in unique if getattr(p, "_zl_piece", None) is not None),
-                        key=lambda p: getattr(p, "_zl_order", -1))
+        # zero.Init's parameters, in partition order (the same on every rank)
+        pieces = sorted((p for p in unique if getattr(p, "_zl_piece", None) is not None), key=lambda p: p._zl_order)
         if any(not p.is_meta for p in pieces):   # DeepSpeed refuses the same overlap
             raise RuntimeError("GatheredParameters: nested blocks cannot gather the same parameter twice; "
                                "it is already whole inside an enclosing GatheredParameters")
+        world_comm = Communicator() if pieces else None
         for p in pieces:
-            full = _gather(p)
-            piece = p._zl_piece
-            _swap(p, full)
-            p._zl_piece = piece
+            _swap(p, gather_piece(p, world_comm).clone().view(p.shape))
         self._pieces = pieces
         # a meta-device model's parameters (built without zero.Init) get full storage for the block
         self._meta = [p for p in unique if p.is_meta and getattr(p, "_zl_piece", None) is None]
@@ -258,16 +206,14 @@ class GatheredParameters:
     def __exit__(self, *exc):
         pieces, meta, self._pieces, self._meta = self._pieces, self._meta, [], []
         keep = self.modifier_rank is not None and exc[0] is None
-        rank, world = _rank_world()
+        rank, world = rank_world()
         for p in pieces:
             piece = p._zl_piece
             if keep:   # rank modifier_rank's values to every rank; each keeps its new piece
                 full = p.detach().to(piece.dtype).contiguous().view(-1)
                 if world > 1:
                     dist.broadcast(full, src=self.modifier_rank)
-                lo, hi = min(rank * piece.numel(), full.numel()), min((rank + 1) * piece.numel(), full.numel())
-                piece = torch.zeros_like(piece)
-                piece[: hi - lo].copy_(full[lo:hi])
+                piece = cut_piece(full, rank, world)
             _swap(p, torch.empty(p.shape, dtype=piece.dtype, device="meta"))
             p._zl_piece = piece
         for p in meta:

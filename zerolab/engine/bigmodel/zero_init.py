@@ -29,6 +29,7 @@ parameters and nothing is communicated.
 """
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 
 import torch
@@ -36,29 +37,40 @@ import torch.distributed as dist
 from torch import nn
 
 
-def _rank_world():
+def rank_world():
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-def partition(p: nn.Parameter, rank: int, world: int) -> None:
-    """Keep this rank's piece of ``p`` (ceil(numel / N) elements of its flattened values, rank 0's)
-    and move ``p`` to the meta device, the same Python object."""
+_ORDER = itertools.count()   # partition order, the same on every rank: collectives over pieces follow it
+
+
+def cut_piece(flat: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's piece of the flattened values ``flat``: ceil(numel / N) elements, zero-padded at the end."""
+    n = flat.numel()
+    size = -(-n // world)
+    mine = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+    lo, hi = min(rank * size, n), min((rank + 1) * size, n)
+    mine[: hi - lo].copy_(flat[lo:hi])
+    return mine
+
+
+def partition(p: nn.Parameter, rank: int, world: int, dtype: torch.dtype | None = None) -> None:
+    """Keep this rank's piece of ``p`` (rank 0's values; a floating one in ``dtype`` if given) and move
+    ``p`` to the meta device, the same Python object; ``p._zl_order`` is its place in partition order."""
     if p.is_meta or getattr(p, "_zl_piece", None) is not None:
         return
     data = p.detach()
     if world > 1:
         data = data.contiguous()
         dist.broadcast(data, src=0)
-    n = data.numel()
-    piece = -(-n // world)
-    mine = torch.zeros(piece, dtype=data.dtype, device=data.device)   # this rank's piece, padded at the end
-    lo, hi = min(rank * piece, n), min((rank + 1) * piece, n)
-    mine[: hi - lo].copy_(data.reshape(-1)[lo:hi])
-    meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    if dtype is not None and data.dtype.is_floating_point:
+        data = data.to(dtype)
+    mine = cut_piece(data.reshape(-1), rank, world)
+    meta = nn.Parameter(torch.empty(p.shape, dtype=data.dtype, device="meta"), requires_grad=p.requires_grad)
     torch.utils.swap_tensors(p, meta)
-    p._zl_piece = mine
+    p._zl_piece, p._zl_order = mine, next(_ORDER)
 
 
 def gather_piece(p: nn.Parameter, communicator) -> torch.Tensor:
@@ -72,14 +84,15 @@ def gather_piece(p: nn.Parameter, communicator) -> torch.Tensor:
 
 
 @contextmanager
-def zero_init():
-    """Inside the block, every module is partitioned as soon as it is built (module docstring)."""
-    rank, world = _rank_world()
+def zero_init(dtype: torch.dtype | None = None):
+    """Inside the block, every module is partitioned as soon as it is built (module docstring);
+    ``dtype``: floating parameters are kept in it (``deepspeed.zero.Init(dtype=)``)."""
+    rank, world = rank_world()
 
     def on_register(parent, name, child):
         if child is not None:   # the child's __init__ has finished: its values are final
             for p in child.parameters():
-                partition(p, rank, world)
+                partition(p, rank, world, dtype)
         return None
 
     handle = nn.modules.module.register_module_module_registration_hook(on_register)
@@ -98,4 +111,4 @@ def zero_init():
         handle.remove()
     for m in roots:   # the root's (and any unattached module's) own parameters, now that __init__ is done
         for p in m.parameters(recurse=False):
-            partition(p, rank, world)
+            partition(p, rank, world, dtype)
