@@ -66,7 +66,6 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
     stage = 0
     shards_optimizer = False        # stages 1+: the optimizer holds only this rank's shard
     reduce_every_micro_step = False  # stage 2: gradients cannot wait for the boundary
-    keeps_full_grads = False         # stages 0-1: every parameter's whole gradient until the step
 
     partitions_params = False        # stage 3: only this rank's shard of the parameters is allocated
 
@@ -162,6 +161,11 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
 
     __call__ = forward
 
+    @property
+    def keeps_full_grads(self) -> bool:
+        """Stages 0-1: every parameter's whole gradient until the step (stages 2-3 reduce each backward)."""
+        return not self.reduce_every_micro_step
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gas == 0
 
@@ -170,9 +174,8 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
         ``allreduce_gradients=False`` (the name DeepSpeed's ``backward`` once took), stages 0-1: at the
         boundary the gradients stay local until ``allreduce_gradients()`` (accumulate.py)."""
         if not allreduce_gradients and not self.keeps_full_grads:
-            raise ValueError(f"engine.backward(loss, allreduce_gradients=False): stage {self.stage} reduces "
-                             f"each gradient bucket during the backward and keeps only its shard; deferring the "
-                             f"reduction needs stage 0 or 1 (zero_optimization.stage)")
+            raise ValueError(f"backward(loss, allreduce_gradients=False): stage {self.stage} reduces each bucket in "
+                             f"the backward, keeping a shard; deferring needs zero_optimization.stage 0 or 1")
         self.backwards_this_micro_step += 1   # a second one before step() adds to the first (accumulate.py)
         if self._reduced_unstepped:
             keep_reduced_once(self)
@@ -258,8 +261,7 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
         self.event(ev.STEP_END)
 
     def agree_before_update(self) -> None:
-        """Collective, at every optimizer step on every rank, before the overflow check and any update:
-        where the ranks confirm they did the same work (stage 3: the units they gathered, unit_order.py)."""
+        """Collective, each step before any update: the ranks confirm the same work (stage 3: unit_order.py)."""
 
     def unit_updated(self, i: int) -> None:
         """Unit ``i``'s update is done: copy its fp32 master into the 16-bit parameters."""

@@ -23,7 +23,6 @@ from zerolab.runtime.measure import storage_bytes
 
 class Stage0Engine(Engine):
     stage = 0
-    keeps_full_grads = True
 
     def own(self, buf: torch.Tensor, u) -> torch.Tensor:
         """The part of unit ``u`` this rank updates: all of it."""

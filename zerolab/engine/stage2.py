@@ -43,7 +43,6 @@ from zerolab.engine.accumulate import first_backward_of_step
 class Stage2Engine(Stage1Engine):
     stage = 2
     reduce_every_micro_step = True
-    keeps_full_grads = False
 
     def build_grads(self) -> None:
         """Only this rank's gradient shard is kept; full gradients exist briefly, per unit."""
