@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from zerolab.deepspeed.reports import StepReports
+from zerolab.deepspeed.reports import StepReports, reports_grad_norm
 
 
 def _refuse(call: str, instead: str):
@@ -27,6 +27,7 @@ class DeepSpeedEngine(StepReports):
         d["optimizer"] = DeepSpeedOptimizer(engine) if has_optimizer else None
         d["lr_scheduler"] = DeepSpeedScheduler(self) if engine.scheduler is not None else None
         d["inside_no_sync_ctxt"] = False
+        engine.report_grad_norm = reports_grad_norm(engine)   # the step computes it (get_global_grad_norm)
 
     # ---------------------------------------------------------------- what scripts call every step
     def __call__(self, *inputs, **kwargs):

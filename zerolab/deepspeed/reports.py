@@ -4,12 +4,10 @@
 step, *before* clipping and unscaled by the fp16 loss scale -- what DeepSpeed
 0.19.8's ZeRO optimizers (and its fp16/bf16 wrappers) store; its fp32 ZeRO-0
 path keeps a plain torch optimizer, which stores none, so there it is None, as
-here. zerolab's engine computes the norm only when it clips, inside ``step()``
-(``engine.last_grad_norm``), and that is the number reported; without
-clipping it is computed here just before the boundary step from the reduced
-gradients, the same way (``grad_sq`` over this rank's share, all-reduced over
-the DP group when the optimizer is sharded and over the TP/PP groups under a
-mesh): one more small all-reduce per optimizer step, only then. ``was_step_applied()``:
+here. zerolab's engine computes the norm inside ``step()`` when it clips, and
+when ``engine.report_grad_norm`` asks it to (set by ``reports_grad_norm`` for
+the engines DeepSpeed reports a norm for): ``engine.last_grad_norm`` is the
+number reported. ``was_step_applied()``:
 whether the last ``step()`` updated the parameters (False between accumulation
 boundaries and after an fp16 overflow skipped the step). Also
 ``get_batch_info()``, ``optimizer_name()`` and ``save_fp16_model`` (the old name
@@ -17,32 +15,23 @@ of ``save_16bit_model``), as DeepSpeed answers them.
 """
 from __future__ import annotations
 
-from zerolab.engine.mesh_norm import grad_sq, model_parallel_all_reduce
+
+
+def reports_grad_norm(engine) -> bool:
+    """Whether DeepSpeed reports a norm for this engine: all but fp32 ZeRO-0 (a plain torch optimizer)."""
+    return not (engine.stage == 0 and engine.scaler is None and not engine.config.bf16_enabled)
 
 
 class StepReports:
     def _before_step(self):
         e, d = self.engine, self.__dict__
         d["_boundary_now"], d["_skipped_before"] = (e.micro_steps + 1) % e.gas == 0, e.skipped_steps
-        d["_reports_norm"] = not (e.stage == 0 and e.scaler is None and not e.config.bf16_enabled)
-        if not d["_boundary_now"] or not d["_reports_norm"] or e.config.gradient_clipping > 0:
-            return   # clipping: the engine's step computes the norm itself (taken in _after_step)
-        scale = 1.0 / (e.world_size * (e.scaler.scale if e.scaler else 1.0))   # the sum -> the mean; unscaled
-        sq = (grad_sq(e, e.owned_grads()) * scale ** 2).to(e.flat.device)
-        if e.shards_optimizer:
-            e.communicator.all_reduce(sq, tag="grad-norm-report")
-        model_parallel_all_reduce(e, sq)
-        d["_global_grad_norm"] = float(sq.sqrt())
 
     def _after_step(self):
         d = self.__dict__
         d["_step_applied"] = d.get("_boundary_now", False) and self.engine.skipped_steps == d["_skipped_before"]
-        if not (d.get("_boundary_now") and d.get("_reports_norm")):
-            return
-        if not d["_step_applied"]:
-            d["_global_grad_norm"] = float("inf")   # DeepSpeed reports inf for an overflowed step
-        elif self.engine.config.gradient_clipping > 0:
-            d["_global_grad_norm"] = self.engine.last_grad_norm
+        if d.get("_boundary_now") and self.engine.report_grad_norm:   # DeepSpeed reports inf for an overflow
+            d["_global_grad_norm"] = self.engine.last_grad_norm if d["_step_applied"] else float("inf")
 
     def get_global_grad_norm(self):
         """The last optimizer step's gradient norm before clipping (None before the first, and at fp32 ZeRO-0)."""
@@ -73,11 +62,8 @@ class GradNormHook:
     def __getattr__(self, name):
         return getattr(self.ds.engine, name)
 
-    def __setattr__(self, name, value):   # zerolab's pipeline sets flags on the engine it drives
+    def __setattr__(self, name, value):   # zerolab's pipeline sets pipeline_stats on the engine it drives
         setattr(self.ds.engine, name, value)
-
-    def __delattr__(self, name):
-        delattr(self.ds.engine, name)
 
     def __call__(self, *inputs, **kwargs):
         return self.ds.engine(*inputs, **kwargs)

@@ -66,6 +66,7 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
     stage = 0
     shards_optimizer = False        # stages 1+: the optimizer holds only this rank's shard
     reduce_every_micro_step = False  # stage 2: gradients cannot wait for the boundary
+    report_grad_norm, last_grad_norm = False, None   # the norm before clipping: when clipping, or if asked
 
     partitions_params = False        # stage 3: only this rank's shard of the parameters is allocated
 
@@ -109,7 +110,6 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
         self.scaler = DynamicLossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
 
         self.micro_steps = self.global_steps = self.skipped_steps = 0
-        self.last_grad_norm = None   # the last boundary's global gradient norm before clipping (when clipping)
         self._reducing, self._reduced_unstepped, self._fired, self._in_backward = False, False, set(), False
         self._reduce_deferred = False   # backward(allreduce_gradients=False) at the boundary, not reduced yet
         self._seen = set()   # parameters this rank saw a gradient for since the last step (unused.py)
@@ -239,7 +239,7 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
             math.param_spans = param_spans(self.flat, self.shards_optimizer)
         math.skip_now = self.unused_everywhere(seen)   # no gradient on any rank: not stepped (unused.py)
         scale = 1.0 / (self.world_size * (self.scaler.scale if self.scaler else 1.0))  # sum -> mean, unscale
-        if self.config.gradient_clipping > 0:
+        if self.config.gradient_clipping > 0 or self.report_grad_norm:
             # on the device the collective runs on: under optimizer offload the gradients are on the host
             sq = (grad_sq(self, grads) * scale ** 2).to(self.flat.device)
             if self.shards_optimizer:

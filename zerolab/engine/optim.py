@@ -213,7 +213,9 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6))."""
+    """torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6)); max_norm 0: 1 (no clipping)."""
+    if max_norm <= 0:
+        return 1.0
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
