@@ -88,3 +88,18 @@ def test_bad_node_fields():
     with pytest.raises(ValueError, match="intra must be a zerolab.Link"):
         Node("x", 8, 1, 1e9, "nvlink3")
     assert nodes.get_node(None) is None and nodes.get_node("dgx-h100") is NODES["dgx-h100"]
+
+
+def test_group_link_classifies_by_where_the_ranks_sit_and_shares_the_nics():
+    """A group crosses nodes when its ranks sit on more than one, whatever its size; groups that cross
+    beside each other share the node's NICs (8 one-rank-per-node groups of a DGX: one NIC each)."""
+    a100 = NODES["dgx-a100"]
+    assert a100.group_link(range(8)) is a100.intra                       # one node
+    assert a100.group_link(range(0, 64, 8)).bandwidth == 25e9             # 8 ranks, one per node: crosses
+    assert a100.group_link(range(0, 64, 8)).bandwidth == a100.group_link(size=8, per_node=1).bandwidth
+    assert a100.group_link(range(64)).bandwidth == 200e9                  # the whole world: every NIC
+    assert a100.group_link(range(16)).bandwidth == a100.link_for(16).bandwidth
+    cloud = NODES["cloud-100gbe"]
+    assert cloud.group_link(size=16, per_node=1).bandwidth == 12.5e9 / 8  # one NIC shared by 8 groups
+    with pytest.raises(ValueError, match="per_node"):
+        a100.group_link(size=4, per_node=9)

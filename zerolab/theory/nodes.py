@@ -69,6 +69,34 @@ class Node:
         bw = min(self.intra.bandwidth, self.network_bandwidth)
         return Link(f"{self.name} ring across nodes", bw, max(self.intra.latency, self.nic_latency))
 
+    def group_link(self, members=None, *, size: int | None = None, per_node: int | None = None) -> Link:
+        """The link a ring over a group runs at, from where its ranks sit (rank r on node r // gpus).
+
+        ``members``: the group's global ranks; or ``size`` and ``per_node`` (ranks of the group on each
+        node it touches). A group inside one node runs on ``intra``. A group that crosses nodes with
+        ``per_node`` ranks on each shares the node's NICs with the ``gpus / per_node`` groups like it
+        that run beside it (the other local ranks' groups: 8 one-rank-per-node groups of a DGX share
+        its 8 NICs, one each; the world group, 8 ranks per node, has them all):
+
+            bandwidth = min(intra, nics x nic_bandwidth x per_node / gpus)
+        """
+        if members is not None:
+            members = sorted(set(int(r) for r in members))
+            on = {}
+            for r in members:
+                on[r // self.gpus] = on.get(r // self.gpus, 0) + 1
+            size, per_node = len(members), max(on.values())
+            crosses = len(on) > 1
+        else:
+            if size is None or per_node is None or size < 1 or not 1 <= per_node <= min(size, self.gpus):
+                raise ValueError(f"group_link needs members, or size >= 1 and 1 <= per_node <= min(size, gpus "
+                                 f"{self.gpus}); got size={size!r}, per_node={per_node!r}")
+            crosses = size > per_node
+        if not crosses:
+            return self.intra
+        bw = min(self.intra.bandwidth, self.network_bandwidth * per_node / self.gpus)
+        return Link(f"{self.name} ring across nodes, {per_node} per node", bw, max(self.intra.latency, self.nic_latency))
+
     def with_nics(self, nics: int, nic_bandwidth: float | None = None) -> "Node":
         """The same node with another NIC count (and speed): ``DGX_A100.with_nics(1)``."""
         bw = self.nic_bandwidth if nic_bandwidth is None else nic_bandwidth
