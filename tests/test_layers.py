@@ -37,7 +37,7 @@ MAX_LINES = 300
 # the engine's stage stack: the files at engine/ itself (docs/ARCHITECTURE.md, "The engine inside")
 ENGINE_STACK = {"__init__", "accumulate", "api", "base", "buckets", "collectives", "events", "flat", "frozen", "gathered", "groups",
                 "mesh_norm", "optim", "precision", "prefetch", "reduce_order", "stage0", "stage1", "stage2", "stage3", "unit_hooks",
-                "unit_order", "unused", "whole_buckets"}
+                "unit_order", "unused", "whole_buckets", "trace"}
 # engine part -> the parts it may import ("stack": the files above; engine/__init__ may import anything)
 ENGINE_PARTS = {
     "stack": {"bigmodel", "checkpoint"},   # only api.py and base.py (see STACK_DOORS)

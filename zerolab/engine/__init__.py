@@ -18,7 +18,7 @@ from torch import nn
 from zerolab.config import Config, ConfigError
 from zerolab.config.optimizer import check_optimizer_params
 from zerolab.config.zero import check_zeropp
-from zerolab.engine.base import Engine, make_communicator
+from zerolab.engine.base import Communicator, Engine
 from zerolab.engine.gathered import gathered_parameters
 from zerolab.engine.stage0 import Stage0Engine
 from zerolab.engine.stage1 import Stage1Engine
@@ -53,7 +53,7 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None, me
     cfg = Config.from_any(config)
     if link is not None:  # a simulated link (zerolab.theory.network) for this engine only
         cfg = dataclasses.replace(cfg, link=link)
-    communicator = make_communicator(cfg.link) if mesh is None else mesh.communicator("dp", cfg.link)
+    communicator = Communicator(link=cfg.link) if mesh is None else mesh.communicator("dp", cfg.link)
     if mesh is not None and mesh.pp > 1 and cfg.zero.stage > 1:
         raise ConfigError(f"{mesh}: ZeRO-{cfg.zero.stage} with pipeline parallelism would reduce gradients (and at "
                           f"stage 3 re-gather parameters) every micro-batch; as DeepSpeed, only ZeRO-0/1 with pp > 1")

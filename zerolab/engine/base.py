@@ -44,6 +44,7 @@ from zerolab.engine.mesh_norm import grad_sq, model_parallel_all_reduce
 from zerolab.engine.optim import ShardedOptimizer, clip_coefficient, make_scheduler
 from zerolab.engine.unused import SkipUnused, param_spans
 from zerolab.engine.precision import DynamicLossScaler, cast_floats, local_overflow, precision_of
+from zerolab.engine.trace import drained, start_trace, traced, updated
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -55,11 +56,6 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def make_communicator(link=None) -> Communicator:
-    """The process group's communicator (one rank, local copies, when torch.distributed is not initialised)."""
-    return Communicator(link=link)
-
-
 class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
     """The training loop; a stage subclass defines own/build_grads/keep_grad/reduce_bucket/
     owned_grads/zero_grads/after_update/grad_bytes (see ``Stage0Engine``)."""
@@ -67,12 +63,12 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
     shards_optimizer = False        # stages 1+: the optimizer holds only this rank's shard
     reduce_every_micro_step = False  # stage 2: gradients cannot wait for the boundary
     report_grad_norm, last_grad_norm = False, None   # the norm before clipping: when clipping, or if asked
-
+    tracer = None                    # a traced run's recorder (trace.py)
     partitions_params = False        # stage 3: only this rank's shard of the parameters is allocated
 
     def __init__(self, model: nn.Module, cfg, communicator: Communicator | None = None, model_parameters=None):
         self.module, self.config = model, cfg
-        self.communicator = communicator or make_communicator(cfg.link)
+        self.communicator = communicator or Communicator(link=cfg.link)   # one rank without torch.distributed
         self.rank, self.world_size = self.communicator.rank, self.communicator.world_size
         self.precision = precision_of(cfg)
         self.gas = cfg.gradient_accumulation_steps
@@ -101,14 +97,11 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
                     m._buffers[k] = b.to(self.precision.compute_dtype)
         self._buffer_marks = buffer_marks(model, self.uninitialised)
         self._broadcast_initial_state()
-
         self.build_buckets(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size)
-
         self.build_grads()
         self.build_optimizer()
         self.scheduler = make_scheduler(cfg.scheduler)
         self.scaler = DynamicLossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
-
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._reducing, self._reduced_unstepped, self._fired, self._in_backward = False, False, set(), False
         self._reduce_deferred = False   # backward(allreduce_gradients=False) at the boundary, not reduced yet
@@ -116,6 +109,8 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
         self.backwards_this_micro_step = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.flat.params()]
         self.events = [] if cfg.trace else None  # timeline: (event, bucket or -1, perf_counter seconds)
+        if cfg.trace:   # + FLOPs, collectives and updates (trace.py)
+            self.tracer = start_trace(self)
         self.checkpoint_stats = {}   # bytes and seconds of the last save/load (checkpoint/save.py)
 
     def persist_threshold(self) -> int:
@@ -157,7 +152,8 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
             check_initialised(self.uninitialised, self._buffer_marks)
         if self.precision.compute_dtype != torch.float32:
             args, kwargs = cast_floats(args, self.precision.compute_dtype), cast_floats(kwargs, self.precision.compute_dtype)
-        return self.module(*args, **kwargs)
+        with traced(self, "forward"):
+            return self.module(*args, **kwargs)
 
     __call__ = forward
 
@@ -189,10 +185,12 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
         factor = (self.scaler.scale if self.scaler else 1.0) / self.gas
         self._in_backward = True
         try:
-            (loss.float() * factor if factor != 1.0 else loss).backward()
+            with traced(self, "backward"):
+                (loss.float() * factor if factor != 1.0 else loss).backward()
         finally:
             self._in_backward = False
         self._end_of_backward()
+        drained(self)   # a traced run: what the end of backward waited for (trace.py)
 
     def _grad_hook(self, p) -> None:
         if not self._in_backward:
@@ -251,6 +249,7 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
             self.optimizer.step(grads, self.get_lr(), scale, after=self.unit_updated)
         else:  # offload's optimizer updates in its own pieces
             self.optimizer.step(grads, self.get_lr(), scale)
+            updated(self, sum(t.numel() for t in self.targets))
             if self.master is not None:
                 torch._foreach_copy_([self.own(self.flat.flat, u) for u in self.flat.units], self.targets)
         self.after_update()
@@ -265,6 +264,7 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
 
     def unit_updated(self, i: int) -> None:
         """Unit ``i``'s update is done: copy its fp32 master into the 16-bit parameters."""
+        updated(self, self.targets[i].numel())   # a traced run records it (trace.py)
         if self.master is not None:
             self.own(self.flat.flat, self.flat.units[i]).copy_(self.targets[i])
 

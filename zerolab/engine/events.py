@@ -16,6 +16,10 @@ below, used by the engines (``base``, ``stage1``, ``stage3``) and read by
     UNIT_BWD_START / UNIT_BWD_END      unit             stage 3: a block's backward
     STEP_START / STEP_END              -1               base: the optimizer step
 
+A traced run also records its FLOPs, every collective's issue and wait, and the optimizer's
+updates, each a ``(name, index, seconds)`` with ``.info`` (``runtime/trace.py``, ``engine/trace.py``):
+what ``zl.replay`` replays on a modelled GPU cluster.
+
 A collective's span ends when the engine *waited* for it (for a gather: the
 moment compute could go on), so with prefetch or ``overlap_comm`` it covers
 the compute it hid behind.

@@ -71,6 +71,7 @@ class CommLedger:
     link: object = None  # the simulated link, if any: a Link or {"intra": Link, "inter": Link}
     busy_until: dict = field(default_factory=dict)  # simulated link tier -> when its channel is idle again
     control: list = field(default_factory=list)  # bookkeeping flags, apart from the algorithm's collectives
+    recorder: object = None   # a runtime.trace.TraceRecorder: every issue and wait also goes in the trace
 
     def _pick(self, op, scope, group=None):
         if scope not in _SCOPES:
@@ -184,12 +185,14 @@ class Communicator:
         record = CommRecord(op, sent, 0.0, tensor_for_size.numel(), str(tensor_for_size.dtype).replace("torch.", ""),
                             self.world_size, tag, self._links is not None,
                             inter_bytes=round(sent * self.inter_fraction(op, src)), group=self.name)
+        rec = self.ledger.recorder   # a traced run: the issue goes in the trace (runtime/trace.py)
+        seq = rec.issued(op, nbytes, self.members, self.name, tag, control) if rec is not None else None
         try:   # (a synchronous backend call, e.g. gloo's list-form reduce-scatter, waits in here)
             work = call(async_op) if self.world_size > 1 else None
         except RuntimeError as e:
             raise failed(record, e) from e
         handle = Handle(work, record, self.ledger, t_issue, t_done, after,
-                        book=self.ledger.control if control else None)
+                        book=self.ledger.control if control else None, trace=(rec, seq))
         if not async_op:
             handle.wait()
         return handle

@@ -28,11 +28,12 @@ class Handle:
     simulated link, until the link would have delivered it); idempotent."""
 
     def __init__(self, work, record: CommRecord, ledger: CommLedger, t_issue: float,
-                 t_link_done: float, after=None, book=None):
+                 t_link_done: float, after=None, book=None, trace=(None, None)):
         self._work, self._record, self._ledger = work, record, ledger
         self._book = ledger.records if book is None else book   # where the record goes once done
         self._t_issue, self._t_link_done, self._after = t_issue, t_link_done, after
         self._t_complete = []   # filled by the backend's completion callback, where it has one
+        self._trace, self._polled = trace, False   # (recorder, sequence no.): a traced run's wait is recorded
         self.done = False
         if work is not None:
             try:
@@ -47,11 +48,15 @@ class Handle:
             return True
         if self._work is not None and not self._work.is_completed():
             return False
-        return time.perf_counter() >= self._t_link_done
+        self._polled = time.perf_counter() >= self._t_link_done
+        return self._polled
 
     def wait(self):
         if self.done:
             return
+        rec, seq = self._trace
+        if rec is not None:   # the engine waits here (or only collects what a poll found finished)
+            rec.waited(seq, soft=self._polled)
         if self._work is not None:
             try:
                 self._work.wait()

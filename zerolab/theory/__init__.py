@@ -10,7 +10,9 @@ Files: ``checks`` (argument checks both models share), ``memory`` (model states:
 stage, Table 1), ``activations``, ``ds_estimate`` (DeepSpeed's estimator), ``comm``,
 ``network`` (links and the ring's bytes), ``nodes`` (GPUs and NICs per node: the one
 topology model), ``published`` (the node model against published figures), ``plan``
-(``choose_stage``), ``offload``, ``hardware`` (the presets: nodes, PCIe, NVMe, CPU Adam). Nothing here imports
+(``choose_stage``), ``offload``, ``hardware`` (the presets: nodes, PCIe, NVMe, CPU Adam), ``replay`` (a traced
+run's schedule on a modelled cluster; ``replay_scale``: placement and a target's size; ``shapes``: transformer
+shapes and presets). Nothing here imports
 anything of zerolab's outside this folder.
 """
 from zerolab.theory.activations import activation_memory
@@ -25,6 +27,8 @@ from zerolab.theory.nodes import NODES, Node, get_node
 from zerolab.theory.hardware import GPU, GPUS, HARDWARE, Hardware, get_hardware, offload_step_seconds
 from zerolab.theory.offload import offload_seconds, slowdown
 from zerolab.theory.plan import Plan, choose_stage
+from zerolab.theory.replay import Cluster, Replay, ReplayError, get_cluster, replay
+from zerolab.theory.shapes import SHAPES, ModelShape, get_shape
 
 __all__ = ["STAGES", "check_psi_n", "CommOp", "comm_breakdown", "comm_volume", "split_intra_inter",
            "step_comm_time", "DEVICES", "GB", "OPTIMIZERS", "PRECISIONS", "TABLE1_DP", "TABLE1_MODELS",
@@ -32,4 +36,5 @@ __all__ = ["STAGES", "check_psi_n", "CommOp", "comm_breakdown", "comm_volume", "
            "gathered_working_set",
            "format_paper_gb", "table1_text", "zero_table1", "LINKS", "OPS", "Link", "get_link", "ring_bytes",
            "ring_steps", "NODES", "Node", "get_node", "GPU", "GPUS", "HARDWARE", "Hardware", "get_hardware", "offload_step_seconds", "offload_seconds", "slowdown", "Plan",
-           "choose_stage"]
+           "choose_stage", "Cluster", "Replay", "ReplayError", "get_cluster", "replay", "SHAPES", "ModelShape",
+           "get_shape"]

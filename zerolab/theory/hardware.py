@@ -40,6 +40,7 @@ class Hardware:
     host_memory: float       # per node, achieved
     nvme_drives: int         # per node
     nvme_drive: float        # one drive, sequential
+    gpu: str = "A100"        # the accelerator, a ``GPUS`` key: its datasheet peak (MFU) and HBM bandwidth
 
     def __post_init__(self):
         for key in ("flops", "pcie", "host_memory", "nvme_drive"):
@@ -51,6 +52,11 @@ class Hardware:
     @property
     def gpus_per_node(self) -> int:
         return self.node.gpus
+
+    @property
+    def accelerator(self) -> "GPU":
+        """The GPU's datasheet figures (``GPUS[self.gpu]``)."""
+        return GPUS[self.gpu]
 
     @property
     def nvme(self) -> float:
@@ -100,7 +106,7 @@ HARDWARE = {
     # 8 channels of DDR5-4800 ("Intel Sapphire Rapids-SP Xeon ... 8 channel DDR5 memory with speeds of up
     # to 4800 MHz", https://wccftech.com/intel-xeon-sapphire-rapids-sp-cpus-feature-up-to-56-cores-on-350w-tdp/)
     # = 307 GB/s per socket, 614 GB/s for two, 300 GB/s assumed achieved; about 6 GB/s per drive (assumed).
-    "dgx-h100": Hardware("DGX H100", NODES["dgx-h100"], H100_ACHIEVED, 50 * GB, 300 * GB, 8, 6 * GB),
+    "dgx-h100": Hardware("DGX H100", NODES["dgx-h100"], H100_ACHIEVED, 50 * GB, 300 * GB, 8, 6 * GB, "H100"),
     # A cloud VM: the DGX A100's GPUs, PCIe and CPUs, one 100 GbE NIC (theory.nodes) and one local
     # NVMe drive for the whole node (an example configuration, not a product).
     "cloud-100gbe": Hardware("cloud 8 x A100, 1 x 100 GbE", NODES["cloud-100gbe"], A100_ACHIEVED,
