@@ -54,10 +54,10 @@ def path_bytes(hw=None) -> dict:
     hw = get_hardware(hw or "dgx-a100")
     psi, n = 1e9, 1                        # shard = psi: seconds × bandwidth / shard = bytes per parameter
     t = cost.offload_seconds(psi, n, 1, 1, "nvme", "none", hw)
-    per_gpu = hw.gpus_per_node
-    return {"pcie": t["optimizer: PCIe (grads down, params up)"] * hw.pcie / psi,
-            "host": t["optimizer: CPU Adam (host memory)"] * hw.host_memory / per_gpu / psi,
-            "nvme": t["optimizer: NVMe (state in and out)"] * hw.nvme / per_gpu / psi}
+    share = hw.per_gpu(n)                  # the bandwidths offload_seconds divided by
+    return {"pcie": t["optimizer: PCIe (grads down, params up)"] * share["pcie"] / psi,
+            "host": t["optimizer: CPU Adam (host memory)"] * share["host_memory"] / psi,
+            "nvme": t["optimizer: NVMe (state in and out)"] * share["nvme"] / psi}
 
 
 def offload_path_figure(hw=None, ax=None):

@@ -82,9 +82,10 @@ class CommOp:
     group: int       # ranks taking part
     nbytes: int      # full tensor size (all-reduce tensor, RS input, AG output, all-to-all input)
     count: int       # how many times per optimizer step
-    inter_node: bool # does the group span nodes? (its time is set by the inter-node link)
+    inter_node: bool # does the group span nodes? (its ranks sit on more than one node)
     inter_share: float = 0.0  # fraction of each rank's bytes that crosses nodes (module docstring)
     axis: str = "dp"          # the mesh group it runs in: "dp" | "tp" | "pp" (chapter 10, ``theory.comm3d``)
+    per_node: int | None = None   # the group's ranks on one node: the groups beside it share the NICs (``op_link``)
 
     @property
     def bytes_each(self) -> int:
@@ -161,7 +162,7 @@ def comm_breakdown(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_nod
     g = grad_accum
     k = min(n, gpus_per_node or n)                    # ranks per node
     nodes = -(-n // k)
-    world = dict(group=n, inter_node=nodes > 1, inter_share=nodes / n if nodes > 1 else 0.0)
+    world = dict(group=n, per_node=k, inter_node=nodes > 1, inter_share=nodes / n if nodes > 1 else 0.0)
     if stage == 0:
         return [CommOp("all_reduce", "grads", nbytes=m, count=1, **world)]
     if stage in (1, 2):
@@ -170,7 +171,7 @@ def comm_breakdown(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_nod
     h = _hpz_size(hpz, k, n)
     weights = n * sum(quantized_bytes(s, 8, weight_group) for s in shards) if quantized_weights else m
     ops = [CommOp("all_gather", "params-forward", nbytes=weights, count=g, **world),
-           CommOp("all_gather", "params-backward", nbytes=m, count=g, group=h, inter_node=False) if h > 1 else
+           CommOp("all_gather", "params-backward", nbytes=m, count=g, group=h, per_node=h, inter_node=False) if h > 1 else
            CommOp("all_gather", "params-backward", nbytes=weights, count=g, **world)]
     if not quantized_gradients:
         return ops + [CommOp("reduce_scatter", "grads", nbytes=m, count=g, **world)]
@@ -178,12 +179,13 @@ def comm_breakdown(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_nod
     if 1 < k < n:
         if n % k:
             raise ValueError(f"quantized_gradients across nodes needs gpus_per_node ({k}) to divide n_gpus ({n})")
-        return ops + [CommOp("all_to_all", "grads-intra", group=k, nbytes=n * quantized_bytes(r, 4, gradient_group),
-                             count=g, inter_node=False),
-                      CommOp("all_to_all", "grads-inter", group=nodes, nbytes=nodes * quantized_bytes(r, 4, gradient_group),
-                             count=g, inter_node=True, inter_share=1.0)]
-    return ops + [CommOp("all_to_all", "grads", group=n, nbytes=n * quantized_bytes(r, 4, gradient_group), count=g,
-                         inter_node=nodes > 1, inter_share=1.0 if nodes > 1 else 0.0)]
+        return ops + [CommOp("all_to_all", "grads-intra", group=k, per_node=k,
+                             nbytes=n * quantized_bytes(r, 4, gradient_group), count=g, inter_node=False),
+                      CommOp("all_to_all", "grads-inter", group=nodes, per_node=1,   # one rank on each node
+                             nbytes=nodes * quantized_bytes(r, 4, gradient_group), count=g, inter_node=True,
+                             inter_share=1.0)]
+    return ops + [CommOp("all_to_all", "grads", group=n, per_node=k, nbytes=n * quantized_bytes(r, 4, gradient_group),
+                         count=g, inter_node=nodes > 1, inter_share=1.0 if nodes > 1 else 0.0)]
 
 
 def _breakdown_3d(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node, zero, tp, pp, replicated, layers,
@@ -231,6 +233,18 @@ def split_intra_inter(ops: list[CommOp]) -> dict:
     return {"intra": sum(op.bytes for op in ops) - inter, "inter": inter}
 
 
+def op_link(op: CommOp, node):
+    """The link ``op`` runs at on ``node`` (a ``theory.Node``): inside one node its fabric; a group whose
+    ranks sit on several nodes, ``op.per_node`` on each, shares the NICs with the groups beside it
+    (``Node.group_link``: 8 one-rank-per-node groups of a DGX get one NIC each)."""
+    if not op.inter_node:
+        return node.intra
+    if op.per_node is None:
+        raise ValueError(f"CommOp {op.op} of {op.what!r} crosses nodes but has no per_node (its ranks on one node): "
+                         f"which groups share the NICs is unknown")
+    return node.group_link(size=op.group, per_node=op.per_node)
+
+
 def step_comm_time(psi, n_gpus, stage, link=None, inter_link=None, bucket_elems=None, dtype_bytes=2,
                    grad_accum=1, gpus_per_node=None, quantized_weights=False,
                    quantized_gradients=False, hpz=False, node=None) -> float:
@@ -238,7 +252,8 @@ def step_comm_time(psi, n_gpus, stage, link=None, inter_link=None, bucket_elems=
 
     ``node``: a ``zerolab.theory.Node`` or preset name (``"dgx-a100"``, ``"dgx-h100"``,
     ``"cloud-100gbe"``): GPUs per node, NICs per node, the fabric inside. A collective
-    whose group spans nodes runs at min(NVLink, NICs x NIC speed) (``theory.nodes``).
+    whose group's ranks sit on several nodes runs at min(NVLink, NICs x NIC speed x its share of them)
+    (``op_link``, ``theory.nodes``: qgZ's one-rank-per-node all-to-all gets an eighth of a node's NICs).
     Or, without ``node``: ``link`` (a ``zerolab.Link`` or preset name) for collectives
     inside a node, or all of them, and ``inter_link`` for those that span nodes (needs
     ``gpus_per_node``) — a node with ONE NIC of that speed. ``bucket_elems``: each
@@ -264,7 +279,7 @@ def step_comm_time(psi, n_gpus, stage, link=None, inter_link=None, bucket_elems=
     buckets = 1 if bucket_elems is None else -(-psi // int(bucket_elems))
     total = 0.0
     for op in ops:
-        lk = nd.link_for(op.group if op.inter_node else 1)
+        lk = op_link(op, nd)
         one = lk.time(op.op, op.nbytes, op.group)                     # whole tensor at once
         extra = (buckets - 1) * lk.time(op.op, 0, op.group)           # latency of the other buckets
         total += op.count * (one + extra)

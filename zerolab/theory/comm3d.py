@@ -77,11 +77,13 @@ def check_shape(tp, pp, layers, hidden, micro_batch, seq, act_bytes, pp_rank):
 
 
 def tp_ops(tp, m, blocks, first, last, act, tokens, qkv_fused=True, sequence_parallel=False, inter=False,
-           inter_share=0.0) -> list:
-    """The TP collectives of one stage per optimizer step, as ``CommOp`` keyword dicts (module docstring)."""
+           inter_share=0.0, per_node=None) -> list:
+    """The TP collectives of one stage per optimizer step, as ``CommOp`` keyword dicts (module docstring);
+    ``per_node``: the TP group's ranks on one node (default: all ``tp``, the group inside a node)."""
     if tp == 1:
         return []
-    common = dict(group=tp, inter_node=inter, inter_share=inter_share, axis="tp")
+    common = dict(group=tp, per_node=tp if per_node is None else per_node, inter_node=inter, inter_share=inter_share,
+                  axis="tp")
     g, f = 2 * blocks + first, (2 if qkv_fused or sequence_parallel else 4) * blocks + last
     if sequence_parallel:   # g: RS forward, AG backward; f: AG forward, RS backward (f counted once per pair)
         f = 2 * blocks + last
@@ -96,19 +98,21 @@ def tp_ops(tp, m, blocks, first, last, act, tokens, qkv_fused=True, sequence_par
 
 
 def pp_ops(pp, m, s, act, cross_fwd=False, cross_bwd=False, cross_loss=False) -> list:
-    """The PP sends of stage ``s`` per optimizer step, as ``CommOp`` keyword dicts (module docstring)."""
+    """The PP sends of stage ``s`` per optimizer step, as ``CommOp`` keyword dicts (module docstring). A send
+    that crosses nodes has one rank on each side (``per_node`` 1); so has the loss broadcast's hop from this
+    stage, a chain of sends, when it crosses."""
     if pp == 1:
         return []
     out = []
     if s < pp - 1:
-        out.append(dict(op="send", what="activations", group=2, nbytes=act, count=m, inter_node=cross_fwd,
-                        inter_share=float(cross_fwd), axis="pp"))
+        out.append(dict(op="send", what="activations", group=2, per_node=1 if cross_fwd else 2, nbytes=act, count=m,
+                        inter_node=cross_fwd, inter_share=float(cross_fwd), axis="pp"))
     if s > 0:
-        out.append(dict(op="send", what="activation-grads", group=2, nbytes=act, count=m, inter_node=cross_bwd,
-                        inter_share=float(cross_bwd), axis="pp"))
+        out.append(dict(op="send", what="activation-grads", group=2, per_node=1 if cross_bwd else 2, nbytes=act,
+                        count=m, inter_node=cross_bwd, inter_share=float(cross_bwd), axis="pp"))
     if s != pp - 2:
-        out.append(dict(op="broadcast", what="loss", group=pp, nbytes=4, count=1, inter_node=cross_loss,
-                        inter_share=float(cross_loss), axis="pp"))
+        out.append(dict(op="broadcast", what="loss", group=pp, per_node=1 if cross_loss else pp,
+                        nbytes=4, count=1, inter_node=cross_loss, inter_share=float(cross_loss), axis="pp"))
     return out
 
 
@@ -125,7 +129,7 @@ def model_parallel_ops(tp, pp, m, layers, hidden, micro_batch, seq, act_bytes, p
         # rank = (d*pp + s)*tp + t: the s -> s+1 boundary crosses a node iff K divides tp*pp and (s+1)*tp
         cross = lambda b: (tp * pp) % k == 0 and tp * pp > k and (b * tp) % k == 0   # noqa: E731
         return (tp_ops(tp, m, blocks[s], s == 0, s == pp - 1, act, tokens, qkv_fused, sequence_parallel,
-                       inter=tp > k, inter_share=(tp // k) / tp if tp > k else 0.0)
+                       inter=tp > k, inter_share=(tp // k) / tp if tp > k else 0.0, per_node=min(tp, k))
                 + pp_ops(pp, m, s, act, cross(s + 1), cross(s), cross(s + 1) if s < pp - 1 else tp * pp > k))
     if pp_rank is not None:
         return pp_rank, ops(pp_rank)

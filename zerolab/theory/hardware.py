@@ -68,9 +68,19 @@ class Hardware:
         """Parameters per second the node's CPUs update with mixed-precision Adam (memory-bound)."""
         return self.host_memory / ADAM_HOST_BYTES
 
-    def per_gpu(self) -> dict:
-        """Bytes/s (and parameters/s) one GPU's rank gets of each shared tier."""
-        g = self.gpus_per_node
+    def sharing(self, n_gpus: int | None = None) -> int:
+        """GPUs that share the node's host memory and NVMe when a job runs on ``n_gpus`` of them (all of
+        the job's GPUs, model-parallel ones too): min(n_gpus, gpus_per_node); ``None``: a full node."""
+        if n_gpus is None:
+            return self.gpus_per_node
+        if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
+            raise ValueError(f"n_gpus must be None (a full node) or an integer >= 1, got {n_gpus!r}")
+        return min(n_gpus, self.gpus_per_node)
+
+    def per_gpu(self, n_gpus: int | None = None) -> dict:
+        """Bytes/s (and parameters/s) one GPU's rank gets of each shared tier when the job has ``n_gpus``
+        GPUs: the node's tiers divided among the GPUs on it (``sharing``); ``None``: a full node."""
+        g = self.sharing(n_gpus)
         return {"pcie": self.pcie, "host_memory": self.host_memory / g, "nvme": self.nvme / g,
                 "cpu_adam": self.cpu_adam / g}
 
@@ -130,11 +140,14 @@ def with_node(hw, node) -> Hardware:
     return replace(get_hardware(hw), node=get_node(node))
 
 
-def offload_step_seconds(psi, n_gpus, grad_accum=1, optimizer="none", params="none", hw="dgx-a100") -> dict:
+def offload_step_seconds(psi, n_gpus, grad_accum=1, optimizer="none", params="none", hw="dgx-a100", *,
+                         gpus=None) -> dict:
     """Seconds per optimizer step one rank spends on offload: ``{"offload": PCIe + NVMe traffic,
-    "optimizer": the CPU Adam}`` (nothing overlapped; ``theory.offload`` itemises the same terms)."""
+    "optimizer": the CPU Adam}`` (nothing overlapped; ``theory.offload`` itemises the same terms). The
+    shard is ``psi / n_gpus``; host memory and NVMe are shared by the job's GPUs on the node, min(``gpus``,
+    GPUs per node), ``gpus`` defaulting to ``n_gpus`` (3D: all GPUs, of which n_gpus are DP ranks)."""
     hw, shard, g = get_hardware(hw), psi / n_gpus, grad_accum
-    share = hw.per_gpu()
+    share = hw.per_gpu(n_gpus if gpus is None else gpus)
     traffic = cpu = 0.0
     if optimizer != "none":
         traffic += 4 * shard / hw.pcie                      # 16-bit grads down, 16-bit params up

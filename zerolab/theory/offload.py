@@ -13,8 +13,9 @@ Per rank, per optimizer step, mixed-precision Adam (2-byte params and grads,
                             before the backward gather: 4Ψ/N            every micro-step
     params "nvme"    the same 4Ψ/N read from NVMe, plus 2Ψ/N written per step
 
-Host memory and NVMe are shared by the ``gpus_per_node`` ranks of a node, so
-each rank gets 1/gpus_per_node of them. The bandwidths are a ``theory.HARDWARE``
+Host memory and NVMe are shared by the GPUs of a node, so each rank gets a
+1/min(N, gpus_per_node) share of them: the whole host for one GPU, an eighth on
+a full node of 8. The bandwidths are a ``theory.HARDWARE``
 preset (``theory.hardware``, where each number is cited). The optimizer terms do not grow with
 tokens or gas; the parameter terms grow with gas and do not shrink with more
 tokens per micro-step — which is the whole "when to offload" argument.
@@ -29,7 +30,8 @@ def offload_seconds(psi, n_gpus, tokens, gas=1, optimizer="none", params="none",
     """Seconds per optimizer step, by term, for one rank (see the module docstring); ``hw`` a
     ``theory.HARDWARE`` preset (name or ``Hardware``)."""
     hw, shard = get_hardware(hw), psi / n_gpus
-    host_bw, nvme_bw = hw.host_memory / hw.gpus_per_node, hw.nvme / hw.gpus_per_node
+    share = hw.per_gpu(n_gpus)                 # the node's tiers over the GPUs on it: min(n_gpus, gpus_per_node)
+    host_bw, nvme_bw = share["host_memory"], share["nvme"]
     out = {"compute": 6 * psi * tokens * gas / hw.flops}
     if optimizer != "none":
         out["optimizer: PCIe (grads down, params up)"] = 4 * shard / hw.pcie

@@ -84,7 +84,7 @@ def mesh_step_times(psi, n_gpus, stage, tp, pp, micro_batches, micro_batch, seq,
     per_mb = (compute + t["tp"] + t["pp"]) / m
     dp = sum(_op_seconds(op, links["dp"]) for op in comm_breakdown(psi_mp, n_dp, stage, dtype_bytes, m))
     return {"compute": compute, "tp": t["tp"], "pp": t["pp"], "bubble": (pp - 1) * per_mb, "dp": dp,
-            **offload_step_seconds(psi_mp, n_dp, m, offload_optimizer, offload_param, hw)}
+            **offload_step_seconds(psi_mp, n_dp, m, offload_optimizer, offload_param, hw, gpus=n_gpus)}
 
 
 def step_time_3d(psi=175e9, tp=8, pp=4, dp=8, micro_batches=64, micro_batch=1, seq=2048, hidden=12288, layers=96,
