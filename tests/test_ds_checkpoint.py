@@ -24,7 +24,9 @@ from zerolab.engine.checkpoint import ds_files as dsc, ds_merge
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 STAGES = (1, 2, 3)
-CHECKPOINTS = [f"stage{s}" for s in STAGES] + [f"stage{s}_world3" for s in STAGES]
+# stage3_subgroups: ZeRO-3 with sub_group_size 6, three sub-groups (DeepSpeed's default 1e9 cuts every
+# model above 1e9 parameters so): one fp32 partition and one Adam state entry per sub-group
+CHECKPOINTS = [f"stage{s}" for s in STAGES] + [f"stage{s}_world3" for s in STAGES] + ["stage3_subgroups"]
 
 
 def expected(name) -> dict:
@@ -66,7 +68,15 @@ def test_fixtures_are_tiny_and_from_deepspeed_019():
         meta = json.loads((FIXTURES / name / "meta.json").read_text())
         assert meta["deepspeed"].startswith("0.19.") and name.startswith(f"stage{meta['stage']}")
         assert meta["world_size"] == (3 if name.endswith("world3") else 2)
+        groups = load_restricted_optim(name)["fp32_flat_groups" if meta["stage"] == 3 else
+                                             "single_partition_of_fp32_groups"]
+        assert len(groups) == (3 if name.endswith("subgroups") else 1), (name, len(groups))
         assert len(list((FIXTURES / name / "global_step2").glob("*_optim_states.pt"))) == meta["world_size"]
+
+
+def load_restricted_optim(name) -> dict:
+    return dsc.load_restricted(next((FIXTURES / name / "global_step2").glob("*rank_0_*optim_states.pt")))[
+        "optimizer_state_dict"]
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
@@ -226,7 +236,7 @@ def test_alignment_paddings_and_uneven_partitions():
     assert out["b"].tolist() != [4., 5.]
 
 
-@pytest.mark.parametrize("name", ["stage3", "stage3_world3"])
+@pytest.mark.parametrize("name", ["stage3", "stage3_world3", "stage3_subgroups"])
 def test_planted_stage3_floor_pieces_are_caught(name, monkeypatch):
     monkeypatch.setattr(ds_merge, "stage3_piece", lambda numel, world: numel // world)
     with pytest.raises(ValueError, match="do not match"):
