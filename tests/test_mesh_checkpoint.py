@@ -247,3 +247,39 @@ def test_tied_weights_across_stages_reshard(tmp_path):
     assert got["a2"]["head.weight"].equal(got["a2"]["wte.weight"])
     diffs = {"a2-b2": worst(got["a2"], got["b2"]), "b3-c3": worst(got["b3"], got["c3"])}
     assert all(v <= 1e-6 for v in diffs.values()), diffs
+
+
+def _gas_worker(root):
+    """Saved under (dp 1, tp 2, pp 1) at gradient_accumulation_steps 2 after 3 steps (6 micro-steps); loaded
+    at 4 and at 1 accumulation steps: the optimizer steps are what is kept, the micro-steps are counted in the
+    new window (3 x 4 = 12, 3 x 1 = 3), and the next save records them."""
+    import json
+
+    def engine(gas):
+        mesh = zl.mesh(dp=1, tp=2, pp=1)
+        cfg = {"optimizer": ADAM, "gradient_accumulation_steps": gas, "zero_optimization": {"stage": 1}}
+        return zl.initialize(tensor_parallel(build(), mesh), cfg, mesh=mesh), mesh
+    a, mesh = engine(2)
+    for step in range(3):
+        x, y = synthetic_batch(build(), ROWS, seed=7, step=step)
+        for i in range(2):
+            a.backward(vocab_parallel_cross_entropy(a(x[2 * i: 2 * i + 2]), y[2 * i: 2 * i + 2], mesh))
+            a.step()
+    a.save_checkpoint(f"{root}/g")
+    out = {"saved": (a.micro_steps, a.global_steps)}
+    for gas in (4, 1):
+        b, _ = engine(gas)
+        b.load_checkpoint(f"{root}/g")
+        b.save_checkpoint(f"{root}/g{gas}")
+        with open(f"{root}/g{gas}/global_step3/tp0_pp0/shards/manifest.json") as f:
+            rec = json.load(f)["engine"]
+        out[gas] = (b.micro_steps, b.global_steps, rec["micro_steps"], rec["global_steps"])
+    return out
+
+
+def test_another_accumulation_count_keeps_the_optimizer_steps(tmp_path):
+    got = zl.launch(_gas_worker, 2, args=(str(tmp_path),), timeout=200, threads=1)
+    for r in got:
+        assert r["saved"] == (6, 3)
+        assert r[4] == (12, 3, 12, 3), r   # 3 optimizer steps, each 4 micro-steps now
+        assert r[1] == (3, 3, 3, 3), r
