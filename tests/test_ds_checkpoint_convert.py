@@ -185,3 +185,33 @@ def test_convert_to_another_stage_and_world_size(tmp_path, name, stage, world):
     for key in ("fp32", "exp_avg", "exp_avg_sq"):
         want, got = ds_state(FIXTURES / name / "global_step2", key), ds_state(out, key)
         assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), key
+
+
+def test_stage3_sub_groups_follow_deepspeeds_rule():
+    """A parameter joins the open sub-group until its pieces (per rank) reach sub_group_size; one group when
+    everything fits. The fixture's three sub-groups as DeepSpeed wrote them; with DeepSpeed installed, its own
+    _create_fp16_sub_groups on many sizes."""
+    import random
+    import types
+    from zerolab.engine.checkpoint.ds_save import sub_groups
+    assert sub_groups([3, 3, 3], 6) == [(0, 2), (2, 3)]   # reaching the size closes the sub-group
+    assert sub_groups([3, 3, 3], 9) == [(0, 3)] and sub_groups([3, 3, 3], 10**9) == [(0, 3)]
+    assert sub_groups([7, 1], 6) == [(0, 1), (1, 2)]
+    shapes = load_restricted(next((FIXTURES / "stage3_subgroups" / "global_step2").glob(
+        "zero_pp_rank_0_*model_states.pt")))["param_shapes"]
+    pieces = [-(-math.prod(s) // 2) for g in shapes for s in g.values()]
+    bounds, start = [], 0
+    for g in shapes:
+        bounds.append((start, start + len(g)))
+        start += len(g)
+    assert sub_groups(pieces, 6) == bounds and len(bounds) == 3
+    try:
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+    except Exception:  # noqa: BLE001 - DeepSpeed absent (or unimportable here): the cases above stand
+        return
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes, size = [rng.randint(1, 9) for _ in range(rng.randint(1, 8))], rng.randint(1, 30)
+        params = [types.SimpleNamespace(partition_numel=lambda n=n: n) for n in sizes]
+        theirs = Stage3._create_fp16_sub_groups(types.SimpleNamespace(sub_group_size=size), params)
+        assert [len(g) for g in theirs] == [b - a for a, b in sub_groups(sizes, size)], (sizes, size)

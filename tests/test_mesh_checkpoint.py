@@ -283,3 +283,69 @@ def test_another_accumulation_count_keeps_the_optimizer_steps(tmp_path):
         assert r["saved"] == (6, 3)
         assert r[4] == (12, 3, 12, 3), r   # 3 optimizer steps, each 4 micro-steps now
         assert r[1] == (3, 3, 3, 3), r
+
+
+def _gpt2_engine(dp, tp, stage):
+    """Hugging Face's GPT2LMHeadModel (tiny random config, nothing downloaded; its q|k|v one fused c_attn,
+    split by heads: tp_dims (0, 3)) converted by HF_GPT2_PLAN (at tp 1 too: the same Linear shapes)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from zerolab.parallel import HF_GPT2_PLAN
+    mesh = zl.mesh(dp=dp, tp=tp, pp=1)
+    cfg = GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    torch.manual_seed(3)
+    model = tensor_parallel(GPT2LMHeadModel(cfg), mesh, HF_GPT2_PLAN)
+    return zl.initialize(model, {"optimizer": ADAM, "zero_optimization": {"stage": stage}}, mesh=mesh), mesh
+
+
+def _gpt2_train(engine, mesh, steps):
+    rows = ROWS // mesh.dp
+    for step in steps:
+        g = torch.Generator().manual_seed(50 + step)
+        x, y = torch.randint(96, (ROWS, 8), generator=g), torch.randint(96, (ROWS, 8), generator=g)
+        x, y = x[rows * mesh.dp_rank: rows * (mesh.dp_rank + 1)], y[rows * mesh.dp_rank: rows * (mesh.dp_rank + 1)]
+        engine.backward(vocab_parallel_cross_entropy(engine(input_ids=x, use_cache=False).logits, y, mesh))
+        engine.step()
+
+
+def _gpt2_worker(root):
+    """tp 2 -> tp 1 (DP 2, ZeRO-2) -> tp 2: training continued after each reshard against without."""
+    out = {}
+    a, mesh = _gpt2_engine(1, 2, 1)
+    _gpt2_train(a, mesh, range(2))
+    a.save_checkpoint(f"{root}/a")
+    _gpt2_train(a, mesh, range(2, 4))
+    out["A4"] = a.full_state_dict()
+    b, mesh = _gpt2_engine(2, 1, 2)
+    b.load_checkpoint(f"{root}/a")
+    b.save_checkpoint(f"{root}/b2")   # right after the load: what it holds
+    _gpt2_train(b, mesh, range(2, 4))
+    out["B4"] = b.full_state_dict()
+    b.save_checkpoint(f"{root}/b")
+    _gpt2_train(b, mesh, range(4, 6))
+    out["B6"] = b.full_state_dict()
+    c, mesh = _gpt2_engine(1, 2, 1)
+    c.load_checkpoint(f"{root}/b")
+    c.save_checkpoint(f"{root}/c4")
+    _gpt2_train(c, mesh, range(4, 6))
+    out["C6"] = c.full_state_dict()
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+def test_hf_gpt2_fused_qkv_reshards_tp2_to_tp1_and_back(tmp_path):
+    """The fused q|k|v (c_attn, three blocks split by heads) is joined block by block when read at tp 1 and
+    cut block by block when read at tp 2; read as one block, the heads land on the wrong rows."""
+    pytest.importorskip("transformers")
+    got = zl.launch(_gpt2_worker, 2, args=(str(tmp_path),), timeout=300, threads=1)[0]
+    assert got["A4"]["transformer.h.0.attn.c_attn.weight"].shape == (96, 32)   # full, Linear-shaped
+    assert (tmp_path / "a" / "global_step2" / "mesh.json").exists() and not (tmp_path / "b" / "global_step4" /
+                                                                             "mesh.json").exists()
+    for src, dst in (("a/global_step2", "b2/global_step2"), ("b/global_step4", "c4/global_step4")):
+        (want, _), (have, _) = saved_full(tmp_path / src), saved_full(tmp_path / dst)
+        for n in want:   # what the next mesh holds right after loading: bit for bit
+            assert all(torch.equal(want[n][k], have[n][k]) for k in KEYS), (src, n)
+    diffs = {"tp2->tp1": worst(got["A4"], got["B4"]), "tp1->tp2": worst(got["B6"], got["C6"])}
+    print(f"HF GPT-2 fused q|k|v resharded: {diffs}")
+    # float rounding of TP 2 against TP 1 (measured 1.8e-6 and 1.4e-6 after two steps); the fused q|k|v
+    # resharded as one block differs by 0.117
+    assert all(v <= 1e-5 for v in diffs.values()), diffs
