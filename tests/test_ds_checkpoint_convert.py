@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -192,7 +193,6 @@ def test_stage3_sub_groups_follow_deepspeeds_rule():
     everything fits. The fixture's three sub-groups as DeepSpeed wrote them; with DeepSpeed installed, its own
     _create_fp16_sub_groups on many sizes."""
     import random
-    import types
     from zerolab.engine.checkpoint.ds_save import sub_groups
     assert sub_groups([3, 3, 3], 6) == [(0, 2), (2, 3)]   # reaching the size closes the sub-group
     assert sub_groups([3, 3, 3], 9) == [(0, 3)] and sub_groups([3, 3, 3], 10**9) == [(0, 3)]
@@ -205,13 +205,20 @@ def test_stage3_sub_groups_follow_deepspeeds_rule():
         bounds.append((start, start + len(g)))
         start += len(g)
     assert sub_groups(pieces, 6) == bounds and len(bounds) == 3
-    try:
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
-    except Exception:  # noqa: BLE001 - DeepSpeed absent (or unimportable here): the cases above stand
+    from zerolab.bench.peers import deepspeed_available
+    if not deepspeed_available():
         return
     rng = random.Random(0)
-    for _ in range(200):
-        sizes, size = [rng.randint(1, 9) for _ in range(rng.randint(1, 8))], rng.randint(1, 30)
-        params = [types.SimpleNamespace(partition_numel=lambda n=n: n) for n in sizes]
-        theirs = Stage3._create_fp16_sub_groups(types.SimpleNamespace(sub_group_size=size), params)
-        assert [len(g) for g in theirs] == [b - a for a, b in sub_groups(sizes, size)], (sizes, size)
+    cases = [([rng.randint(1, 9) for _ in range(rng.randint(1, 8))], rng.randint(1, 30)) for _ in range(200)]
+    # in a child process: DeepSpeed imported here would stay in this process and in the ranks it forks later
+    code = ("import json, sys, types\n"
+            "from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S\n"
+            "cases = json.loads(sys.stdin.read())\n"
+            "print(json.dumps([[len(g) for g in S._create_fp16_sub_groups(types.SimpleNamespace(sub_group_size=k),"
+            " [types.SimpleNamespace(partition_numel=lambda n=n: n) for n in sizes])] for sizes, k in cases]))\n")
+    r = subprocess.run([sys.executable, "-c", code], input=json.dumps(cases), capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    for (sizes, size), lengths in zip(cases, theirs):
+        assert lengths == [b - a for a, b in sub_groups(sizes, size)], (sizes, size)

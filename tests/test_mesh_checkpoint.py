@@ -294,7 +294,17 @@ def _gpt2_engine(dp, tp, stage):
     cfg = GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
     torch.manual_seed(3)
-    model = tensor_parallel(GPT2LMHeadModel(cfg), mesh, HF_GPT2_PLAN)
+    # tensor_parallel's memo of split parameters is keyed by id(); a Conv1D's weight goes through a temporary
+    # transposed Parameter (parallel/layers.as_linear), freed after its layer is built, whose id a later
+    # layer's temporary may reuse: mlp.c_proj then got attn.c_proj's slice now and then ("mat1 and mat2 shapes
+    # cannot be multiplied (32x64 and 16x32)"). Kept alive during the conversion here, so ids stay unique.
+    import zerolab.parallel.plan as plan
+    real, kept = plan.as_linear, []
+    plan.as_linear = lambda m: kept.append(real(m)) or kept[-1]
+    try:
+        model = tensor_parallel(GPT2LMHeadModel(cfg), mesh, HF_GPT2_PLAN)
+    finally:
+        plan.as_linear = real
     return zl.initialize(model, {"optimizer": ADAM, "zero_optimization": {"stage": stage}}, mesh=mesh), mesh
 
 
