@@ -287,3 +287,26 @@ def test_unknown_format_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="format='megatron'.*'zerolab'.*'deepspeed'"):
         engine.save_checkpoint(tmp_path, format="megatron")
     assert not any(tmp_path.iterdir())
+
+
+def _front_door_rank(work):
+    """``import zerolab.deepspeed as deepspeed``: the DeepSpeed-shaped engine passes format= on."""
+    import zerolab.deepspeed as deepspeed
+    torch.manual_seed(0)
+    cfg = {**zl_config(1, "fp32"), "train_micro_batch_size_per_gpu": 2}
+    engine, *_ = deepspeed.initialize(model=run.Tiny(), config=cfg)
+    for s in range(2):
+        engine.backward(run.loss(engine(run.batch(s, engine.global_rank))))
+        engine.step()
+    engine.save_checkpoint(os.path.join(work, "ds"), tag="two", format="deepspeed")
+    engine.save_checkpoint(os.path.join(work, "zl"), tag="two")   # the default: zerolab's own
+    return engine.engine.full_state_dict()
+
+
+def test_deepspeed_front_door_saves_deepspeeds_format(tmp_path):
+    from zerolab.engine.checkpoint.ds_files import is_deepspeed_checkpoint
+    want = zl.launch(_front_door_rank, world_size=2, args=(str(tmp_path),))[0]
+    assert is_deepspeed_checkpoint(tmp_path / "ds") and not is_deepspeed_checkpoint(tmp_path / "zl")
+    assert (tmp_path / "zl" / "two" / "manifest.json").exists()
+    merged = ds_merge.deepspeed_fp32_state_dict(tmp_path / "ds")   # the engine's weights, exactly
+    assert max_diff(merged, {k: v for k, v in want.items() if k != "scale"}) == 0.0
