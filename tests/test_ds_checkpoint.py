@@ -265,12 +265,12 @@ def _save_a_zerolab_checkpoint(path):
 
 
 def test_a_zerolab_checkpoint_is_not_deepspeeds(tmp_path):
-    """Same file names as DeepSpeed's (zero_pp_rank_*_optim_states.pt), other content: not taken for DeepSpeed's."""
+    """zerolab's own files (zerolab_rank_*_optim.pt, none of DeepSpeed's names): not taken for DeepSpeed's."""
     from zerolab.runtime.launch import launch
     launch(_save_a_zerolab_checkpoint, 2, args=(str(tmp_path),), timeout=60)
-    assert list(tmp_path.glob("*/zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    assert list(tmp_path.glob("*/zerolab_rank_1_optim.pt")) and not list(tmp_path.glob("*/*_states.pt"))
     assert not dsc.is_deepspeed_checkpoint(tmp_path)
-    with pytest.raises(ValueError, match="not a DeepSpeed model-state file"):
+    with pytest.raises(FileNotFoundError, match="not a DeepSpeed ZeRO checkpoint"):
         ds_merge.deepspeed_fp32_state_dict(tmp_path)
 
 

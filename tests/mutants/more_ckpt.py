@@ -66,4 +66,9 @@ MUTANTS = [
            "        if False:",
            (OTHER_MODEL,), "a mesh checkpoint of another model's shapes (a wider vocabulary) is not refused by "
                            "name; the load fails later on a slice, or silently"),
+    Mutant("old-zerolab-names-not-read", "zerolab/engine/checkpoint/files.py",
+           'if name not in manifest["files"] and legacy_name(name) in manifest["files"]:',
+           "if False:",
+           ("tests/test_ds_checkpoint_layout.py::test_no_deepspeed_file_names_and_old_names_still_load[1]",),
+           "a checkpoint zerolab wrote under DeepSpeed's file names (before the rename) no longer loads"),
 ]
