@@ -276,7 +276,7 @@ def test_load_deepspeeds_universal_checkpoint(tmp_path, stage):
     assert two[0][2] == K and max(abs(a - b) for a, b in zip(two[0][0], theirs)) < 1e-5
     d = max_diff(two[0][1], ds_merge.deepspeed_fp32_state_dict(tmp_path / "ds_after"))
     print(f"stage {stage} universal: max |zerolab resumed - DeepSpeed| = {d:.3g}")
-    assert d < 1e-6
+    assert d < TOLERANCE["fp32"]   # DeepSpeed's FusedAdam against torch's AdamW: a float32 ulp or two
     three = zl.launch(zl_rank, world_size=3, args=(str(tmp_path), stage, "fp32", "load", str(tmp_path / "uni")))
     assert abs(three[0][0][0] - theirs[0]) < 1e-5
 
