@@ -1,6 +1,6 @@
 """DeepSpeed's half of tests/test_ds_checkpoint_resume.py: train, save, resume, on CPU ranks with gloo.
 
-    DS_ACCELERATOR=cpu python tests/ds_resume_run.py WORK STAGE WORLD DTYPE K M
+    DS_ACCELERATOR=cpu python tests/ds_resume_run.py WORK STAGE WORLD DTYPE K M [SUB_GROUP_SIZE]
 
 Each rank (``torch.multiprocessing.spawn``):
   A. builds the fixture model (tests/fixtures/make_ds_checkpoints.py's Tiny: a tied weight, a frozen
@@ -9,6 +9,10 @@ Each rank (``torch.multiprocessing.spawn``):
   B. if ``WORK/zl`` exists (zerolab's ``save_checkpoint(..., format="deepspeed")``): builds the model
      from another seed, ``load_checkpoint(WORK/zl)``, saves what it loaded to ``WORK/zl_loaded``,
      trains M steps and saves ``WORK/zl_then_ds``.
+The optimizer is DeepSpeed's own from the config's "optimizer" section ("AdamW": its FusedAdam, whose
+param groups carry ``bias_correction``), as a DeepSpeed user gets it, not a client torch optimizer.
+SUB_GROUP_SIZE (stage 3): ``zero_optimization.sub_group_size``, so that a tiny model is cut into several
+sub-groups as DeepSpeed cuts every model above 1e9 parameters by default.
 Each rank writes its losses to ``WORK/ds_losses.rank{r}.pt``. The batches, the config and the loss are
 ``batch``, ``config`` and ``loss`` below, which the zerolab half imports.
 """
@@ -44,12 +48,15 @@ Tiny = _fixture_module().Tiny
 LR, WD, CLIP = 0.05, 0.01, 1.0
 
 
-def config(stage: int, dtype: str) -> dict:
+def config(stage: int, dtype: str, sub_group_size: int | None = None) -> dict:
     zero = {"stage": stage}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
+    if sub_group_size:
+        zero["sub_group_size"] = sub_group_size
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
-           "zero_allow_untested_optimizer": True, "zero_optimization": zero, "steps_per_print": 1000,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+           "zero_optimization": zero, "steps_per_print": 1000,
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": LR,
                                                         "warmup_num_steps": 4, "warmup_type": "linear"}}}
     if dtype == "bf16":
@@ -65,15 +72,18 @@ def loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
-def _engine(deepspeed, stage, dtype, seed):
+def _engine(deepspeed, stage, dtype, seed, sub_group_size=None):
     torch.manual_seed(seed)
+    cfg = config(stage, dtype, sub_group_size)
     if stage == 3:
-        with deepspeed.zero.Init(config_dict_or_path=config(stage, dtype)):
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = Tiny()
     else:
         model = Tiny()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config(stage, dtype))
+    params = [p for p in model.parameters() if p.requires_grad]   # DeepSpeed builds its FusedAdam over them
+    engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    assert type(inner).__name__ == "FusedAdam", f"DeepSpeed built {type(inner).__name__}, not its FusedAdam"
     return engine
 
 
@@ -87,7 +97,7 @@ def _train(engine, rank, first, steps):
     return out
 
 
-def rank_main(rank, work, stage, world, dtype, k, m, port):
+def rank_main(rank, work, stage, world, dtype, k, m, port, sub_group_size=None):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     importlib.import_module("deepspeed.comm.torch")   # skip the JIT build of an inference-only op
@@ -96,13 +106,13 @@ def rank_main(rank, work, stage, world, dtype, k, m, port):
     deepspeed.init_distributed(dist_backend="gloo")
     close_at_exit()   # DeepSpeed leaves torch's gloo group alive at exit: it can abort (runtime/group_exit.py)
     work = Path(work)
-    a = _engine(deepspeed, stage, dtype, 0)
+    a = _engine(deepspeed, stage, dtype, 0, sub_group_size)
     losses = {"A": _train(a, rank, 0, k)}
     a.save_checkpoint(str(work / "ds"), tag="k")
     losses["A"] += _train(a, rank, k, m)
     a.save_checkpoint(str(work / "ds_after"), tag="km")
     if (work / "zl").is_dir():
-        b = _engine(deepspeed, stage, dtype, 1)
+        b = _engine(deepspeed, stage, dtype, 1, sub_group_size)
         path, _ = b.load_checkpoint(str(work / "zl"))
         assert path is not None, "DeepSpeed found no checkpoint in WORK/zl"
         losses["B_steps"] = b.global_steps
@@ -115,11 +125,12 @@ def rank_main(rank, work, stage, world, dtype, k, m, port):
 
 def main(argv):
     work, stage, world, dtype, k, m = argv[0], int(argv[1]), int(argv[2]), argv[3], int(argv[4]), int(argv[5])
+    sub_group_size = int(argv[6]) if len(argv) > 6 else None
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(rank_main, args=(work, stage, world, dtype, k, m, port), nprocs=world, join=True)
+    torch.multiprocessing.spawn(rank_main, args=(work, stage, world, dtype, k, m, port, sub_group_size), nprocs=world, join=True)
     for p in Path(work).glob("*/*.py"):   # DeepSpeed's copies of its converter scripts
         p.unlink()
 

@@ -123,6 +123,6 @@ def test_exclude_frozen_and_16bit_model(saved):
 def test_consolidate_planted_bug_is_caught(saved, monkeypatch):
     root, results = saved
     want, _ = results["gpt-stage3-bf16"]
-    monkeypatch.setattr(reshard, "optim_file", lambda r: "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    monkeypatch.setattr(reshard, "optim_file", lambda r: "zerolab_rank_0_optim.pt")
     got = consolidate_fp32(f"{root}/gpt-stage3-bf16")
     assert not all(torch.equal(got[k], want[k]) for k in want)

@@ -24,7 +24,9 @@ from zerolab.engine.checkpoint import ds_files as dsc, ds_merge
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 STAGES = (1, 2, 3)
-CHECKPOINTS = [f"stage{s}" for s in STAGES] + [f"stage{s}_world3" for s in STAGES]
+# stage3_subgroups: ZeRO-3 with sub_group_size 6, three sub-groups (DeepSpeed's default 1e9 cuts every
+# model above 1e9 parameters so): one fp32 partition and one Adam state entry per sub-group
+CHECKPOINTS = [f"stage{s}" for s in STAGES] + [f"stage{s}_world3" for s in STAGES] + ["stage3_subgroups"]
 
 
 def expected(name) -> dict:
@@ -66,7 +68,15 @@ def test_fixtures_are_tiny_and_from_deepspeed_019():
         meta = json.loads((FIXTURES / name / "meta.json").read_text())
         assert meta["deepspeed"].startswith("0.19.") and name.startswith(f"stage{meta['stage']}")
         assert meta["world_size"] == (3 if name.endswith("world3") else 2)
+        groups = load_restricted_optim(name)["fp32_flat_groups" if meta["stage"] == 3 else
+                                             "single_partition_of_fp32_groups"]
+        assert len(groups) == (3 if name.endswith("subgroups") else 1), (name, len(groups))
         assert len(list((FIXTURES / name / "global_step2").glob("*_optim_states.pt"))) == meta["world_size"]
+
+
+def load_restricted_optim(name) -> dict:
+    return dsc.load_restricted(next((FIXTURES / name / "global_step2").glob("*rank_0_*optim_states.pt")))[
+        "optimizer_state_dict"]
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
@@ -226,7 +236,7 @@ def test_alignment_paddings_and_uneven_partitions():
     assert out["b"].tolist() != [4., 5.]
 
 
-@pytest.mark.parametrize("name", ["stage3", "stage3_world3"])
+@pytest.mark.parametrize("name", ["stage3", "stage3_world3", "stage3_subgroups"])
 def test_planted_stage3_floor_pieces_are_caught(name, monkeypatch):
     monkeypatch.setattr(ds_merge, "stage3_piece", lambda numel, world: numel // world)
     with pytest.raises(ValueError, match="do not match"):
@@ -255,12 +265,12 @@ def _save_a_zerolab_checkpoint(path):
 
 
 def test_a_zerolab_checkpoint_is_not_deepspeeds(tmp_path):
-    """Same file names as DeepSpeed's (zero_pp_rank_*_optim_states.pt), other content: not taken for DeepSpeed's."""
+    """zerolab's own files (zerolab_rank_*_optim.pt, none of DeepSpeed's names): not taken for DeepSpeed's."""
     from zerolab.runtime.launch import launch
     launch(_save_a_zerolab_checkpoint, 2, args=(str(tmp_path),), timeout=60)
-    assert list(tmp_path.glob("*/zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    assert list(tmp_path.glob("*/zerolab_rank_1_optim.pt")) and not list(tmp_path.glob("*/*_states.pt"))
     assert not dsc.is_deepspeed_checkpoint(tmp_path)
-    with pytest.raises(ValueError, match="not a DeepSpeed model-state file"):
+    with pytest.raises(FileNotFoundError, match="not a DeepSpeed ZeRO checkpoint"):
         ds_merge.deepspeed_fp32_state_dict(tmp_path)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -23,36 +24,41 @@ from zerolab.engine.checkpoint.ds_files import load_restricted
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 
 
-def _tensors(obj, path=""):
-    if isinstance(obj, torch.Tensor):
+def _tensors(obj, path="", steps=False):
+    """(path, tensor) of a file's tensors; Adam's step only with ``steps`` (then also as an int)."""
+    if path.endswith("/step"):
+        if steps:
+            yield path, obj
+    elif isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _tensors(v, f"{path}/{k}")
+            yield from _tensors(v, f"{path}/{k}", steps)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _tensors(v, f"{path}[{i}]")
+            yield from _tensors(v, f"{path}[{i}]", steps)
 
 
-def stage3_real_elements(ckpt: Path, rank: int) -> torch.Tensor:
-    """1 where rank's stage-3 partition holds a parameter element, 0 on the padding of each last piece."""
+def stage3_real_elements(ckpt: Path, rank: int, group: int) -> torch.Tensor:
+    """1 where rank's stage-3 partition of (sub-)group ``group`` holds a parameter element, 0 on the padding
+    of each last piece."""
     meta = json.loads((ckpt / "meta.json").read_text())
     world, masks = meta["world_size"], []
     shapes = load_restricted(next((ckpt / "global_step2").glob("zero_pp_rank_0_*model_states.pt")))["param_shapes"]
-    for group in shapes:
-        for shape in group.values():
-            n = math.prod(shape)
-            piece = -(-n // world)
-            real = max(0, min(n, (rank + 1) * piece) - rank * piece)
-            masks.append(torch.cat([torch.ones(real), torch.zeros(piece - real)]))
+    for shape in shapes[group].values():
+        n = math.prod(shape)
+        piece = -(-n // world)
+        real = max(0, min(n, (rank + 1) * piece) - rank * piece)
+        masks.append(torch.cat([torch.ones(real), torch.zeros(piece - real)]))
     return torch.cat(masks)
 
 
-@pytest.mark.parametrize("name", ["stage1", "stage2", "stage3", "stage2_world3", "stage3_world3"])
+@pytest.mark.parametrize("name", ["stage1", "stage2", "stage3", "stage2_world3", "stage3_world3", "stage3_subgroups"])
 def test_convert_deepspeed_to_zerolab_and_back_gives_deepspeeds_tensors(tmp_path, name):
     """DeepSpeed's files -> zerolab's -> DeepSpeed's again (CLI): every tensor DeepSpeed wrote (fp32
     partitions, both Adam moments and the step of every rank, the 16-bit module, frozen fragments) comes
-    back equal, at the same path in the same file; the lr, betas, eps and weight decay in param_groups too."""
+    back equal, at the same path in the same file (stage 3 with sub-groups: the same sub-groups); every
+    key of param_groups with its value (lr, betas, eps, weight decay...), and FusedAdam's bias_correction."""
     from zerolab.cli import main
     assert main(["convert", str(FIXTURES / name), str(tmp_path / "zl"), "--to", "zerolab"]) == 0
     assert main(["convert", str(tmp_path / "zl"), str(tmp_path / "ds"), "--to", "deepspeed"]) == 0
@@ -60,19 +66,23 @@ def test_convert_deepspeed_to_zerolab_and_back_gives_deepspeeds_tensors(tmp_path
     orig = FIXTURES / name / "global_step2"
     for f in sorted(orig.iterdir()):
         want, got = load_restricted(f), load_restricted(tmp_path / "ds" / "global_step2" / f.name)
+        steps = lambda d: {p: int(t) for p, t in _tensors(d, steps=True) if p.endswith("/step") and "/state/" in p}   # noqa: E731
+        assert steps(got) == steps(want)   # Adam's step: written as an int, as FusedAdam keeps it
         theirs, ours = dict(_tensors(want)), dict(_tensors(got))
         assert set(ours) <= set(theirs) and len(ours) >= len(theirs) - 1, f"{f.name}: {set(theirs) ^ set(ours)}"
         for path, t in ours.items():
             ref = theirs[path].float()
             if "fp32_flat_groups" in path:   # DeepSpeed leaves its stage-3 padding uninitialised (we write 0)
-                real = stage3_real_elements(FIXTURES / name, int(re.search(r"rank_(\d+)", f.name)[1]))
+                real = stage3_real_elements(FIXTURES / name, int(re.search(r"rank_(\d+)", f.name)[1]),
+                                            int(re.search(r"fp32_flat_groups\[(\d+)\]", path)[1]))
                 ref = torch.where(real.bool(), ref, torch.zeros(()))
             assert torch.equal(t.float(), ref), f"{f.name}{path} differs"
         if "optim" in f.name:
             inner = "base_optimizer_state" if "single_partition_of_fp32_groups" in want["optimizer_state_dict"] \
                 else "optimizer_state_dict"
-            pg = lambda d: d["optimizer_state_dict"][inner]["param_groups"]   # noqa: E731
-            assert pg(got) == pg(want)
+            pg = lambda d: d["optimizer_state_dict"][inner]["param_groups"][0]   # noqa: E731
+            assert {k: v for k, v in pg(got).items() if k in pg(want)} == pg(want)
+            assert pg(got)["bias_correction"] is True   # DeepSpeed's FusedAdam reads it
 
 
 def test_convert_refuses_what_it_cannot_read(tmp_path):
@@ -176,3 +186,39 @@ def test_convert_to_another_stage_and_world_size(tmp_path, name, stage, world):
     for key in ("fp32", "exp_avg", "exp_avg_sq"):
         want, got = ds_state(FIXTURES / name / "global_step2", key), ds_state(out, key)
         assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), key
+
+
+def test_stage3_sub_groups_follow_deepspeeds_rule():
+    """A parameter joins the open sub-group until its pieces (per rank) reach sub_group_size; one group when
+    everything fits. The fixture's three sub-groups as DeepSpeed wrote them; with DeepSpeed installed, its own
+    _create_fp16_sub_groups on many sizes."""
+    import random
+    from zerolab.engine.checkpoint.ds_save import sub_groups
+    assert sub_groups([3, 3, 3], 6) == [(0, 2), (2, 3)]   # reaching the size closes the sub-group
+    assert sub_groups([3, 3, 3], 9) == [(0, 3)] and sub_groups([3, 3, 3], 10**9) == [(0, 3)]
+    assert sub_groups([7, 1], 6) == [(0, 1), (1, 2)]
+    shapes = load_restricted(next((FIXTURES / "stage3_subgroups" / "global_step2").glob(
+        "zero_pp_rank_0_*model_states.pt")))["param_shapes"]
+    pieces = [-(-math.prod(s) // 2) for g in shapes for s in g.values()]
+    bounds, start = [], 0
+    for g in shapes:
+        bounds.append((start, start + len(g)))
+        start += len(g)
+    assert sub_groups(pieces, 6) == bounds and len(bounds) == 3
+    from zerolab.bench.peers import deepspeed_available
+    if not deepspeed_available():
+        return
+    rng = random.Random(0)
+    cases = [([rng.randint(1, 9) for _ in range(rng.randint(1, 8))], rng.randint(1, 30)) for _ in range(200)]
+    # in a child process: DeepSpeed imported here would stay in this process and in the ranks it forks later
+    code = ("import json, sys, types\n"
+            "from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S\n"
+            "cases = json.loads(sys.stdin.read())\n"
+            "print(json.dumps([[len(g) for g in S._create_fp16_sub_groups(types.SimpleNamespace(sub_group_size=k),"
+            " [types.SimpleNamespace(partition_numel=lambda n=n: n) for n in sizes])] for sizes, k in cases]))\n")
+    r = subprocess.run([sys.executable, "-c", code], input=json.dumps(cases), capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    for (sizes, size), lengths in zip(cases, theirs):
+        assert lengths == [b - a for a, b in sub_groups(sizes, size)], (sizes, size)

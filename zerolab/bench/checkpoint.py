@@ -97,7 +97,7 @@ def consolidate_peak(tag_dir: str) -> dict:
     r = subprocess.run([sys.executable, "-c", CONSOLIDATE, tag_dir], capture_output=True, text=True, env=env,
                        check=True)
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    shard = max(os.path.getsize(os.path.join(tag_dir, f)) for f in os.listdir(tag_dir) if "optim_states" in f)
+    shard = max(os.path.getsize(os.path.join(tag_dir, f)) for f in os.listdir(tag_dir) if "optim" in f)
     return {**result, "largest_shard_file": shard}
 
 

@@ -144,10 +144,10 @@ class DeepSpeedEngine(StepReports):
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DeepSpeed's
-                        exclude_frozen_parameters=False):
+                        exclude_frozen_parameters=False, format="zerolab"):
         if not save_latest:
             _refuse("save_checkpoint(save_latest=False)", "zerolab always points `latest` at the newest tag")
-        self.engine.save_checkpoint(save_dir, tag, dict(client_state or {}), exclude_frozen_parameters)
+        self.engine.save_checkpoint(save_dir, tag, dict(client_state or {}), exclude_frozen_parameters, format=format)
         return True
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,

@@ -86,7 +86,7 @@ def write_state_dict(state_dict: dict, output) -> str:
 
 def add_consolidate_args(p: argparse.ArgumentParser) -> None:
     p.description = ("Read a sharded checkpoint -- zerolab's (engine.save_checkpoint: <tag>/manifest.json, "
-                     "zero_pp_rank_*_optim_states.pt) or DeepSpeed's (ZeRO-1/2/3 *_optim_states.pt, read without "
+                     "zerolab_rank_*_optim.pt) or DeepSpeed's (ZeRO-1/2/3 *_optim_states.pt, read without "
                      "DeepSpeed) -- and write the model's full fp32 state dict {name: tensor}. No torch.distributed, "
                      "one process; memory is about the output plus one rank's shard.")
     p.add_argument("checkpoint_dir", help="the folder save_checkpoint wrote into (with 'latest'), or one tag folder")

@@ -63,30 +63,33 @@ def to_zerolab(tag_dir, dst, tag: str) -> str:
     return out
 
 
-def to_deepspeed(tag_dir, dst, tag: str, stage=None, world=None) -> str:
+def to_deepspeed(tag_dir, dst, tag: str, stage=None, world=None, sub_group_size=None) -> str:
     """zerolab's tag folder -> ``dst/tag`` in DeepSpeed's format (every rank's files), then ``dst/latest``."""
     from zerolab.engine.checkpoint.ds_save import write_deepspeed
     from zerolab.engine.checkpoint.reshard import SavedCheckpoint
     saved = SavedCheckpoint(tag_dir, read_manifest(tag_dir))
     try:
-        out = write_deepspeed(saved, dst, tag, stage=stage, world=world)
+        out = write_deepspeed(saved, dst, tag, stage=stage, world=world, sub_group_size=sub_group_size)
     finally:
         saved.close()
     write_text_atomic(os.path.join(os.fspath(dst), LATEST), tag + "\n")
     return out
 
 
-def convert(src, dst, to: str, tag=None, stage=None, world=None) -> str:
+def convert(src, dst, to: str, tag=None, stage=None, world=None, sub_group_size=None) -> str:
     if to not in ("deepspeed", "zerolab"):
         raise CheckpointError(f"--to {to!r}: choose 'deepspeed' or 'zerolab'")
     kind, tag_dir = _source(src, tag)
     if kind == to:
         raise CheckpointError(f"{tag_dir} is already a {kind} checkpoint (--to {to}): nothing to convert")
-    if to == "zerolab" and (stage is not None or world is not None):
-        raise CheckpointError("--stage/--world apply to --to deepspeed; a zerolab checkpoint loads at any "
-                              "stage and world size as it is")
+    if to == "zerolab" and (stage is not None or world is not None or sub_group_size is not None):
+        raise CheckpointError("--stage/--world/--sub-group-size apply to --to deepspeed; a zerolab checkpoint "
+                              "loads at any stage and world size as it is")
+    if sub_group_size is not None and int(sub_group_size) < 1:
+        raise CheckpointError(f"--sub-group-size {sub_group_size}: must be at least 1 (DeepSpeed's default 1e9)")
     name = os.path.basename(os.path.normpath(tag_dir))
-    return to_deepspeed(tag_dir, dst, name, stage, world) if to == "deepspeed" else to_zerolab(tag_dir, dst, name)
+    return to_deepspeed(tag_dir, dst, name, stage, world, sub_group_size) if to == "deepspeed" else \
+        to_zerolab(tag_dir, dst, name)
 
 
 def add_convert_args(p: argparse.ArgumentParser) -> None:
@@ -101,11 +104,14 @@ def add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", type=int, default=None, choices=[1, 2, 3],
                    help="--to deepspeed: the ZeRO stage of the files (default: the saved stage)")
     p.add_argument("--world", type=int, default=None, help="--to deepspeed: the number of ranks (default: saved)")
+    p.add_argument("--sub-group-size", type=int, default=None,
+                   help="--to deepspeed, stage 3: DeepSpeed's zero_optimization.sub_group_size of the run that will "
+                        "load the files (default: the saved run's, else DeepSpeed's 1e9)")
 
 
 def cmd_convert(args) -> int:
     try:
-        out = convert(args.src, args.dst, args.to, args.tag, args.stage, args.world)
+        out = convert(args.src, args.dst, args.to, args.tag, args.stage, args.world, args.sub_group_size)
     except (CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

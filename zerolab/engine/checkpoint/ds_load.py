@@ -40,10 +40,13 @@ DS_MODEL_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_
 
 
 def _moments(osd: dict, stage: int) -> tuple[list, int]:
-    """(per group {exp_avg, exp_avg_sq} flat tensors, the optimizer step) of one rank's optimizer state."""
+    """(per fp32 partition {exp_avg, exp_avg_sq} flat tensors, the optimizer step) of one rank's optimizer
+    state. A partition is a parameter group at stages 1-2 and a *sub-group* at stage 3 (DeepSpeed cuts a
+    group into sub-groups of ``sub_group_size`` elements per rank, 1e9 by default): each is one entry of
+    the torch optimizer's ``state``, listed in ``param_groups[g]["params"]``, in partition order."""
     base = osd.get("base_optimizer_state") if stage <= 2 else osd.get("optimizer_state_dict")
     if isinstance(base, dict):          # torch's optimizer.state_dict(): {"state": {i: {...}}, "param_groups"}
-        groups = [base["state"].get(i, {}) for i in range(len(base["param_groups"]))]
+        groups = [base["state"].get(i, {}) for g in base["param_groups"] for i in g["params"]]
     elif isinstance(base, list):        # DeepSpeed's elastic form: one state dict per group
         groups = base
     else:
@@ -83,6 +86,9 @@ class DeepSpeedSaved(SavedCheckpoint):
         keys = ["fp32"] + [k for k in ("exp_avg", "exp_avg_sq") if k in groups[0]]
         self.group_sizes = [t.numel() for t in first["single_partition_of_fp32_groups" if stage <= 2
                                                      else "fp32_flat_groups"]]
+        if len(groups) != len(self.group_sizes):
+            raise CheckpointError(f"{self.optim_paths[0]}: {len(self.group_sizes)} fp32 partitions (parameter "
+                                  f"groups or stage-3 sub-groups) but {len(groups)} optimizer state entries")
         super().__init__(str(tag_dir), {"format": FORMAT, "version": VERSION, "tag": tag_dir.name,
                                         "engine": self._engine(stage, world, step), "layout": self._layout(
                                             first, stage, world), "state_keys": keys, "files": {}}, verify)
@@ -135,7 +141,8 @@ class DeepSpeedSaved(SavedCheckpoint):
                                                            else "Adam")
         opt = opt.lower()
         hyper = {"lr": float(pg["lr"]), "weight_decay": float(pg.get("weight_decay", 0.0)),
-                 "betas": [float(b) for b in pg.get("betas", (0.9, 0.999))], "eps": float(pg.get("eps", 1e-8))} \
+                 "betas": [float(b) for b in pg.get("betas", (0.9, 0.999))], "eps": float(pg.get("eps", 1e-8)),
+            "sub_group_size": int((cfg.get("zero_optimization") or {}).get("sub_group_size") or 10**9)} \
             if "lr" in pg else None   # torch's param_groups: the next step's lr; what ds_save writes back
         return {"stage": stage, "world_size": world, "precision": precision,
                 "compute_dtype": "bfloat16" if enabled("bf16") else "float16" if enabled("fp16") else "float32",

@@ -11,14 +11,22 @@ group (the model's trainable parameters in ``named_parameters`` order):
   keeps ``[r*S, (r+1)*S)`` (S = padded / N). Its fp32 slice is saved without
   the group's end padding (``group_paddings``), the Adam moments with it.
 * stage 3: each parameter cut into N pieces of ceil(numel / N); rank r keeps
-  its piece of every parameter, end to end (``fp32_flat_groups``).
+  its piece of every parameter, end to end, cut into *sub-groups* as DeepSpeed
+  cuts them: parameters are added to a sub-group until its pieces reach
+  ``sub_group_size`` elements (DeepSpeed's default 1e9; the engine's config
+  value, or ``convert --sub-group-size``): one ``fp32_flat_groups`` entry, one
+  optimizer state entry and one ``param_shapes`` dict per sub-group.
 
-The Adam state is torch's ``optimizer.state_dict()`` of the one flat fp32
-partition (``step``, ``exp_avg``, ``exp_avg_sq``; ``param_groups`` with the
+The Adam state is the ``optimizer.state_dict()`` of the flat fp32 partitions
+(``step``, ``exp_avg``, ``exp_avg_sq``; ``param_groups`` with the
 hyper-parameters and the learning rate of the next step, which DeepSpeed's
-loader installs); the scheduler's step becomes ``lr_scheduler.last_batch_iteration``
+loader installs over its own optimizer's group — so the group carries the keys
+of *every* optimizer DeepSpeed may build for Adam/AdamW: its FusedAdam's
+``bias_correction`` (its default, read by its step) and torch's own keys; the
+step is a plain int, which FusedAdam's kernel takes and torch's loader turns
+into its tensor); the scheduler's step becomes ``lr_scheduler.last_batch_iteration``
 (position - 1). What is not written: an fp16 loss scale (fp16 is refused),
-several parameter groups or sub-groups, pipeline/tensor-parallel ranks.
+several parameter groups, pipeline/tensor-parallel ranks.
 ``engine.save_checkpoint(..., format="deepspeed")`` (``ds_engine.py``) is a zerolab save
 into a hidden folder, then each rank's DeepSpeed files from it.
 """
@@ -46,7 +54,8 @@ def optimizer_record(engine) -> dict:
     opt = engine.optimizer
     h = getattr(opt, "math", opt)
     lr = engine.get_lr() if engine.scheduler is not None else h.lr
-    rec = {"lr": float(lr), "weight_decay": float(h.weight_decay)}
+    rec = {"lr": float(lr), "weight_decay": float(h.weight_decay),
+           "sub_group_size": int(engine.config.zero.sub_group_size)}
     if opt.kind in ("adam", "adamw"):
         rec.update(betas=list(h.betas), eps=float(h.eps))
     if len(getattr(h, "hypers", [None])) > 1:
@@ -54,26 +63,51 @@ def optimizer_record(engine) -> dict:
     return rec
 
 
-def torch_param_group(kind: str, hyper: dict) -> dict:
-    """The param_groups entry torch.optim.Adam/AdamW's state_dict() holds (every key its step reads)."""
+# DeepSpeed's FusedAdam (what its "Adam"/"AdamW" config builds): the keys its step reads from the group
+# besides lr, betas, eps and weight_decay ("step": the group's, which it sets to 0 and never advances)
+FUSED_ADAM_KEYS = {"bias_correction": True, "step": 0}
+# torch.optim.Adam/AdamW (a client optimizer, or "torch_adam": true): the rest of the keys its step reads
+TORCH_ADAM_KEYS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                   "differentiable": False, "fused": None}
+
+
+def ds_param_group(kind: str, hyper: dict, n_params: int = 1) -> dict:
+    """The param_groups entry DeepSpeed's loader installs over its own optimizer's: every key FusedAdam's
+    step reads and every key torch's Adam/AdamW's step reads, whichever of them DeepSpeed built."""
     if kind not in ("adam", "adamw"):
         raise CheckpointError(f"writing DeepSpeed's files: optimizer {kind!r}; only Adam and AdamW are supported")
     if hyper.get("groups", 1) > 1:
         raise CheckpointError(f"writing DeepSpeed's files: {hyper['groups']} parameter groups; only one is supported")
     return {"lr": hyper["lr"], "betas": tuple(hyper["betas"]), "eps": hyper["eps"],
-            "weight_decay": hyper["weight_decay"], "amsgrad": False, "maximize": False, "foreach": None,
-            "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": kind == "adamw",
-            "params": [0]}
+            "weight_decay": hyper["weight_decay"], **FUSED_ADAM_KEYS, **TORCH_ADAM_KEYS,
+            "decoupled_weight_decay": kind == "adamw", "params": list(range(n_params))}
+
+
+def sub_groups(piece_numels: list, sub_group_size: int) -> list:
+    """DeepSpeed's stage-3 sub-groups: [(first, last + 1)] parameter ranges, a parameter added to the open
+    sub-group until its pieces (per rank) reach ``sub_group_size`` elements; one group if all fit."""
+    if sub_group_size >= sum(piece_numels):
+        return [(0, len(piece_numels))]
+    out, start, size = [], 0, 0
+    for i, n in enumerate(piece_numels):
+        size += n
+        if size >= sub_group_size or i == len(piece_numels) - 1:
+            out.append((start, i + 1))
+            start, size = i + 1, 0
+    return out
 
 
 class DeepSpeedLayout:
     """Where DeepSpeed rank r's partition lies in each trainable parameter, for N ranks at ``stage``."""
 
-    def __init__(self, saved, stage: int, world: int):
+    def __init__(self, saved, stage: int, world: int, sub_group_size: int = 10**9):
         lay = saved.layout
         self.saved, self.stage, self.world = saved, stage, world
         self.names = [k for k in lay["keys"] if k in saved.index and k not in lay["aliases"]]
         self.numels = [saved.index[n][2] for n in self.names]
+        self.pieces = [-(-n // world) for n in self.numels]   # stage 3: each rank's piece of each parameter
+        self.sub_group_size = sub_group_size
+        self.groups = sub_groups(self.pieces, sub_group_size) if stage == 3 else [(0, len(self.names))]
         total = sum(self.numels)
         align = 2 * world
         self.padded = -(-total // align) * align
@@ -102,6 +136,12 @@ class DeepSpeedLayout:
                 out[lo - a: hi - a] = self.saved.param(name, key, lo - off, hi - off)
             off += n
         return out
+
+    def split(self, flat: torch.Tensor) -> list:
+        """A rank's partition cut into its sub-groups (stages 1-2: the one group)."""
+        if self.stage != 3:
+            return [flat]
+        return list(flat.split([sum(self.pieces[a:b]) for a, b in self.groups]))
 
 
 @contextmanager
@@ -147,7 +187,7 @@ def _fields(obj, **kw):
 
 
 def deepspeed_parts(saved, rank: int, stage: int | None = None, world: int | None = None, hyper=None,
-                    client_state=None, loss_scaler_cls=None):
+                    client_state=None, loss_scaler_cls=None, sub_group_size: int | None = None):
     """(file name, object) of the files DeepSpeed rank ``rank`` writes, from zerolab checkpoint ``saved``."""
     rec, lay = saved.engine, saved.layout
     stage = rec["stage"] if stage is None else int(stage)
@@ -163,15 +203,17 @@ def deepspeed_parts(saved, rank: int, stage: int | None = None, world: int | Non
     if hyper is None:
         raise CheckpointError(f"{saved.dir}: the manifest predates the optimizer record (lr, betas, eps, "
                               f"weight_decay) that DeepSpeed's files need; save the checkpoint again")
-    group = torch_param_group(rec["optimizer"]["type"], hyper)
     if "exp_avg" not in saved.manifest["state_keys"]:
         raise CheckpointError(f"{saved.dir}: no Adam moments saved (state {saved.manifest['state_keys']})")
-    ds = DeepSpeedLayout(saved, stage, world)
+    ds = DeepSpeedLayout(saved, stage, world, int(sub_group_size or hyper.get("sub_group_size") or 10**9))
+    group = ds_param_group(rec["optimizer"]["type"], hyper, len(ds.groups))
     bf16 = dtype == torch.bfloat16
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": rec["gradient_accumulation_steps"],
-           "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
-    step = torch.tensor(float(rec["optimizer"]["step_count"]))
-    state = {0: {"step": step, "exp_avg": ds.slice("exp_avg", rank), "exp_avg_sq": ds.slice("exp_avg_sq", rank)}}
+           "zero_optimization": {"stage": stage, **({"sub_group_size": ds.sub_group_size} if stage == 3 else {})},
+           "bf16": {"enabled": bf16}}
+    step = int(rec["optimizer"]["step_count"])
+    moments = zip(ds.split(ds.slice("exp_avg", rank)), ds.split(ds.slice("exp_avg_sq", rank)))
+    state = {i: {"step": step, "exp_avg": m, "exp_avg_sq": v} for i, (m, v) in enumerate(moments)}
     torch_sd = {"state": state, "param_groups": [group]}
     fp32 = ds.slice("fp32", rank)
     if stage <= 2:
@@ -182,7 +224,7 @@ def deepspeed_parts(saved, rank: int, stage: int | None = None, world: int | Non
     else:
         osd = {"zero_stage": 3, "loss_scaler": (loss_scaler_cls or (lambda s: s))(1.0), "dynamic_loss_scale": False,
                "overflow": False, "partition_count": world, "optimizer_state_dict": torch_sd,
-               "fp32_flat_groups": [fp32]}
+               "fp32_flat_groups": ds.split(fp32)}
     prefix = "bf16_" if bf16 else ""
     yield f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", \
         {"optimizer_state_dict": osd, "ds_config": cfg, "ds_version": DS_VERSION}
@@ -216,7 +258,8 @@ def model_states(saved, ds: DeepSpeedLayout, rank: int, dtype, cfg: dict, client
             fragments[k] = flat[rank * piece: (rank + 1) * piece].clone() if ds.stage == 3 else whole.clone()
     sched = rec.get("scheduler")
     out = {"module": module, "buffer_names": list(lay["buffers"]), "optimizer": None,
-           "param_shapes": [OrderedDict((n, torch.Size(saved.index[n][3])) for n in ds.names)],
+           "param_shapes": [OrderedDict((n, torch.Size(saved.index[n][3])) for n in ds.names[a:b])
+                            for a, b in ds.groups],
            "frozen_param_shapes": frozen_shapes if ds.stage >= 2 and frozen_shapes else None,
            "shared_params": dict(lay["aliases"]) if rank == 0 else {},   # as DeepSpeed: rank 0's lists them
            "frozen_param_fragments": fragments if ds.stage >= 2 and fragments else None,

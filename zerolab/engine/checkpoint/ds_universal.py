@@ -59,6 +59,15 @@ def _tensor(path: Path) -> torch.Tensor:
     return t
 
 
+def _step(path: Path) -> int:
+    """step.pt: a tensor (torch's Adam) or a plain int (DeepSpeed's FusedAdam, its default optimizer)."""
+    obj = load_restricted(path)
+    obj = obj.get("param") if isinstance(obj, dict) else obj
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        return obj
+    return int(_tensor(path).item())
+
+
 class DeepSpeedUniversal(DeepSpeedSaved):
     """A universal checkpoint's tag folder, seen through zerolab's manifest and one saved rank's files."""
 
@@ -79,7 +88,7 @@ class DeepSpeedUniversal(DeepSpeedSaved):
             raise CheckpointError(f"{self.zero}: no fp32.pt for {missing[:3]} ({len(missing)} parameters)")
         keys = ["fp32"] + [k for k in ("exp_avg", "exp_avg_sq") if (self.zero / names[0] / f"{k}.pt").exists()]
         step_file = self.zero / names[0] / "step.pt"
-        step = int(_tensor(step_file).item()) if step_file.exists() else _saved_step(opt)
+        step = _step(step_file) if step_file.exists() else _saved_step(opt)
         units, off = [], 0
         for g in self.model_sd["param_shapes"]:
             for name, shape in g.items():

@@ -6,9 +6,17 @@ A checkpoint directory (``save_dir``) holds one folder per tag and a ``latest`` 
       latest                                        the newest complete tag (written last)
       global_step6/
         manifest.json                               written last, by rank 0: engine, layout, files
-        mp_rank_00_model_states.pt                  stages 0-2, rank 0: the 16-bit module state dict
-        zero_pp_rank_{r}_mp_rank_00_model_states.pt stage 3, every rank: its 16-bit parameter shard
-        zero_pp_rank_{r}_mp_rank_00_optim_states.pt every rank: its fp32 shard and optimizer moments
+        zerolab_model.pt                            stages 0-2, rank 0: the 16-bit module state dict
+        zerolab_rank_{r}_model.pt                   stage 3, every rank: its 16-bit parameter shard
+        zerolab_rank_{r}_optim.pt                   every rank: its fp32 shard and optimizer moments
+
+Not DeepSpeed's file names (``mp_rank_00_model_states.pt``,
+``zero_pp_rank_{r}_mp_rank_00_optim_states.pt``): under those, DeepSpeed's own
+``load_checkpoint`` went deep into files it cannot read (``KeyError:
+'dp_world_size'``); now it stops at the first file it looks for. Checkpoints
+written under the old names still load: a name the manifest does not list is
+looked up under its old name (``legacy_name``). ``python -m zerolab convert
+CKPT OUT --to deepspeed`` writes DeepSpeed's files.
 
 Every ``.pt`` file is written through ``write_checked`` (sha256 and size taken
 while writing, then fsync) and read back only through ``read_checked``, which
@@ -30,7 +38,7 @@ import torch
 
 FORMAT, VERSION = "zerolab-checkpoint", 1
 MANIFEST, LATEST = "manifest.json", "latest"
-MODEL_STATES = "mp_rank_00_model_states.pt"
+MODEL_STATES = "zerolab_model.pt"
 
 
 class CheckpointError(RuntimeError):
@@ -38,12 +46,22 @@ class CheckpointError(RuntimeError):
 
 
 def optim_file(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return f"zerolab_rank_{rank}_optim.pt"
 
 
 def model_file(rank: int, stage: int) -> str:
     """Stage 3 keeps a model-states file per rank (its parameter shard), as DeepSpeed does."""
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else MODEL_STATES
+    return f"zerolab_rank_{rank}_model.pt" if stage == 3 else MODEL_STATES
+
+
+def legacy_name(name: str) -> str:
+    """The name zerolab gave file ``name`` before it stopped using DeepSpeed's names (read only)."""
+    if name == MODEL_STATES:
+        return "mp_rank_00_model_states.pt"
+    parts = name.split("_")   # zerolab_rank_{r}_{model|optim}.pt
+    if len(parts) == 4 and parts[:2] == ["zerolab", "rank"] and parts[3] in ("model.pt", "optim.pt"):
+        return f"zero_pp_rank_{parts[2]}_mp_rank_00_{parts[3][:-3]}_states.pt"
+    return name
 
 
 class HashingWriter:
@@ -183,6 +201,8 @@ def read_manifest(tag_dir: str) -> dict:
 
 def read_checked(tag_dir: str, name: str, manifest: dict, verify: bool = True) -> dict:
     """Load one part of the checkpoint after checking it against the manifest."""
+    if name not in manifest["files"] and legacy_name(name) in manifest["files"]:
+        name = legacy_name(name)   # written before zerolab stopped using DeepSpeed's file names
     path = os.path.join(tag_dir, name)
     entry = manifest["files"].get(name)
     if entry is None:

@@ -79,9 +79,10 @@ def _load_state(engine, saved: SavedCheckpoint, with_optimizer: bool, with_sched
             engine.own(engine.flat.flat, u).copy_(values["fp32"])
     del scratch, values
     _load_module_extras(engine, saved)
-    # saved at a window's end; counted in this engine's windows (its accumulation steps may differ)
-    windows = rec["micro_steps"] // max(1, rec.get("gradient_accumulation_steps", 1))
-    engine.global_steps, engine.micro_steps = rec["global_steps"], windows * engine.gas
+    # saved at a window's end: the optimizer steps are what is kept; the micro-steps are counted in this
+    # engine's window (its accumulation steps may differ: a pipeline needs gas >= pp, so a mesh changes it)
+    engine.global_steps = rec["global_steps"]
+    engine.micro_steps = rec["global_steps"] * engine.gas
     engine.skipped_steps = rec["skipped_steps"]
     opt.step_count = rec["optimizer"]["step_count"] if with_optimizer else 0
     # steps each parameter sat out (no gradient on any rank, engine/unused.py): its own Adam t

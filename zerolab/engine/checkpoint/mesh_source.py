@@ -61,10 +61,7 @@ class MeshSource:
         first = self.sub(0, stages[0])
         self.manifest, self.layout = first.manifest, {"frozen": []}
         self.engine = json.loads(json.dumps(first.engine))   # a copy: the skipped counts merged below
-        # micro-steps: the windows completed, in this engine's window (a pipeline needs gas >= pp, so
-        # the accumulation steps change with the mesh; a checkpoint is always saved at a window's end)
-        windows = self.engine["micro_steps"] // max(1, self.engine.get("gradient_accumulation_steps", 1))
-        self.engine["micro_steps"] = windows * engine.gas
+        # the counters as saved: the loader counts the micro-steps in this engine's window (load.py)
         skipped = self.engine["optimizer"].setdefault("skipped", {})
         for p in stages:
             skipped.update(self.sub(0, p).engine["optimizer"].get("skipped", {}))
