@@ -28,3 +28,29 @@ MUTANTS = [
            (P2P_TESTS + "::test_activations_of_any_shape_and_tuples_give_single_process_gradients[tuple]",),
            "an input the next stage left unused sends back a gradient that is not zero"),
 ]
+MASTER = "tests/test_engine_master.py::test_the_fp32_master_is_the_fp32_model_bit_for_bit"
+MUTANTS += [
+    Mutant("master-from-rounded-weights", "zerolab/engine/base.py",
+           "self.targets[-1].copy_(self.flat.exact.pop(i, own))",
+           "self.targets[-1].copy_(own)",
+           (MASTER,), "a bf16 engine's fp32 master starts from the bf16-rounded weights, not the model's fp32 values"),
+    Mutant("exact-master-not-rank-0s", "zerolab/engine/bigmodel/materialize.py",
+           '                communicator.broadcast(ex, src=0, tag="init-params")',
+           '                pass',
+           (MASTER,), "each rank's fp32 master starts from its own model's values, not rank 0's (the ranks diverge)"),
+    Mutant("offload-master-from-rounded", "zerolab/engine/offload/optimizer.py",
+           "chunk[: b - a].copy_((start or targets)[i][a:b])",
+           "chunk[: b - a].copy_(targets[i][a:b])",
+           (MASTER,), "the offloaded optimizer's host master starts from the bf16-rounded weights"),
+]
+MOE = "tests/test_hf_moe_loading.py"
+MUTANTS += [
+    Mutant("hf-expert-conversion-skipped", "zerolab/engine/bigmodel/load.py",
+           "    raw = hf_names(model, raw, current)",
+           "    raw = raw",
+           (MOE,), "a MoE model's save_pretrained file (experts per expert on disk) does not load into its fused experts"),
+    Mutant("hf-experts-out-of-order", "zerolab/engine/bigmodel/hf_names.py",
+           "for key in sorted(sd, key=dot_natural_key):",
+           "for key in sorted(sd):",
+           (MOE,), "experts stacked in string order (10 before 2)"),
+]
