@@ -54,3 +54,14 @@ MUTANTS += [
            "for key in sorted(sd):",
            (MOE,), "experts stacked in string order (10 before 2)"),
 ]
+GEMMA = "tests/test_hf_loading.py::test_gemma2_built_on_meta_computes_its_embed_scale"
+MUTANTS += [
+    Mutant("meta-buffer-built-still-refused", "zerolab/engine/bigmodel/materialize.py",
+           "    uninit.difference_update(n for n, f in zip(meta_names, flags.tolist()) if f)",
+           "    pass",
+           (GEMMA,), "a buffer the module's own init computed (Gemma 2's embed_scale) is still called uninitialised"),
+    Mutant("meta-buffer-built-rank-0-only", "zerolab/engine/bigmodel/materialize.py",
+           '        communicator.all_reduce(flags, op="max", tag="init-buffers-built", control=True)',
+           '        pass',
+           (GEMMA,), "only rank 0 (which built it) counts the buffer as set: the other ranks refuse the forward"),
+]

@@ -71,6 +71,7 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None,
     pending = {id(p) for _, p in model.named_parameters() if p.is_meta and (hf is not None or not hasattr(p, "_zl_piece"))}
     frozen = {id(p) for _, p in flat.frozen}
     meta_buffers = set()   # (module id, buffer name): no values unless a BatchNorm's reset fills them
+    where, written = {id(m): n for n, m in model.named_modules()}, set()   # meta buffers rank 0's build set
     uninit: set = set()
     for mname, m in model.named_modules():
         for k, b in m._buffers.items():
@@ -97,7 +98,10 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None,
                     set_data(p, torch.zeros(p.shape, dtype=flat.dtype, device=flat.device))
             if hasattr(m, "reset_parameters") or hf is not None:
                 if rank == 0:
-                    construct(m, hf, lora.get(id(m)))
+                    before = {k: (b, b._version) for k, b in m._buffers.items() if (id(m), k) in meta_buffers}
+                    construct(m, hf, lora.get(id(m)))   # may compute a buffer too (Gemma's embed_scale)
+                    written.update(f"{where[id(m)]}.{k}".lstrip(".") for k, (b, v) in before.items()
+                                   if m._buffers[k] is not b or b._version != v)
                 pending.difference_update(id(p) for p in own)
                 uninit.difference_update(norm_stats.get(id(m), ()))
 
@@ -199,8 +203,20 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None,
                 hf._init_weights(m)
                 uninit.difference_update(f"{mname}.{k}" if mname else k for k in ks
                                          if m._buffers[k]._version != before[k])
+    agree_written(sorted(f"{where[i]}.{k}".lstrip(".") for i, k in meta_buffers), written, uninit, communicator)
     uninit.update(names[i] for i in pending)
     return uninit
+
+
+def agree_written(meta_names: list, written: set, uninit: set, communicator) -> None:
+    """The meta buffers rank 0's build computed (it alone builds) count as set on every rank (their
+    values reach the others with the buffers' broadcast)."""
+    if not meta_names:
+        return
+    flags = torch.tensor([n in written for n in meta_names], dtype=torch.int32)
+    if communicator.world_size > 1:
+        communicator.all_reduce(flags, op="max", tag="init-buffers-built", control=True)
+    uninit.difference_update(n for n, f in zip(meta_names, flags.tolist()) if f)
 
 
 def hf_model(model: nn.Module):
@@ -257,7 +273,9 @@ def check_initialised(uninit: set, marks: dict | None = None) -> None:
         names = sorted(uninit)
         raise RuntimeError(
             f"the model was built on the meta device and {len(names)} tensor(s) have no values: "
-            f"{names[:5]}{' ...' if len(names) > 5 else ''}. Their modules have no reset_parameters() (or "
-            f"share a parameter with another unit); load them with engine.load_state_dict(state_dict_or_path) "
-            f"before the first forward (a buffer that is not in the state dict, registered with persistent=False, "
-            f"can also be set on the module after zl.initialize, in place or by assignment)")
+            f"{names[:5]}{' ...' if len(names) > 5 else ''}. A parameter: its module has no reset_parameters() "
+            f"(or shares a parameter with another unit); a buffer: its module computed it in __init__, which on "
+            f"the meta device keeps no value, and neither reset_parameters() nor the model's _init_weights sets it "
+            f"again. Load them with engine.load_state_dict(state_dict_or_path) before the first forward (a buffer "
+            f"that is not in the state dict, registered with persistent=False, can also be set on the module after "
+            f"zl.initialize, in place or by assignment)")
