@@ -65,3 +65,14 @@ MUTANTS += [
            '        pass',
            (GEMMA,), "only rank 0 (which built it) counts the buffer as set: the other ranks refuse the forward"),
 ]
+READS = "tests/test_engine_stage3.py::test_a_parent_reading_its_childs_weight_trains_like_one_process"
+MUTANTS += [
+    Mutant("z3-read-released-not-gathered", "zerolab/engine/stage3.py",
+           "        if i not in self._gathered:\n            self.gather_params([i])\n        self._pinned.add(i)",
+           "        self._pinned.add(i)",
+           (READS,), "ZeRO-3: a parent reading its child's released weight gets an empty tensor (shape error)"),
+    Mutant("z3-read-reduced-too-early", "zerolab/engine/stage3.py",
+           "            self._calls_left[i] += 1   # a call whose end never comes: ready when backward ends",
+           "            pass",
+           (READS,), "a unit read by another module is reduced when its own module's backward ends: the reader's gradient arrives late"),
+]
