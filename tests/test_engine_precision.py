@@ -47,15 +47,16 @@ def config(stage, prec, opt="adam", gas=2, fp32_grads=False, offload=False):
 
 
 def fp32_master_reference(kind, cfg, n):
-    """One process, the whole global batch: 16-bit model, fp32 master weights and torch.optim
-    on them. Returns (initial fp32 parameters, final fp32 master parameters) by name."""
+    """One process, the whole global batch: 16-bit model, fp32 master weights (the fp32 model's
+    values, as the engine starts from) and torch.optim on them. Returns (initial fp32 parameters,
+    final fp32 master parameters) by name."""
     prec = "fp16" if "fp16" in cfg else "bf16"
     opt_type, lr, clip = cfg["optimizer"]["type"], cfg["optimizer"]["params"]["lr"], cfg["gradient_clipping"]
-    model = make_model(kind).to(DT[prec])
+    model = make_model(kind)
     names = [name for name, _ in model.named_parameters()]
-    params = list(model.parameters())
-    init = {name: p.detach().float().clone() for name, p in zip(names, params)}
-    master = [p.detach().float().clone().requires_grad_() for p in params]
+    init = {name: p.detach().clone() for name, p in model.named_parameters()}
+    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    params = list(model.to(DT[prec]).parameters())
     opt = (torch.optim.Adam if opt_type == "Adam" else torch.optim.SGD)(master, lr=lr)
     gas = cfg["gradient_accumulation_steps"]
     scale = 2.0 ** cfg["fp16"]["initial_scale_power"] if prec == "fp16" else 1.0   # no overflow: never lowered

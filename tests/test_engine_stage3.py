@@ -139,3 +139,59 @@ def test_stage3_bit_identical_to_stage2():
         for other in res[1:]:
             for k in res[0]:
                 assert torch.equal(other[k], res[0][k]), k
+
+
+class ReadsChild(torch.nn.Module):
+    """A parent whose forward reads its child's weight without calling the child (DeepSpeed trains
+    this: an "external parameter"); ``call_after``: the child runs too, after the read."""
+
+    def __init__(self, call_after):
+        super().__init__()
+        self.child = torch.nn.Linear(8, 8)
+        self.call_after = call_after
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.child.weight.t())
+        return self.child(h) if self.call_after else h
+
+
+def reads_child_model(seed=3):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), ReadsChild(False), ReadsChild(True), torch.nn.Linear(8, 1))
+
+
+def reads_child_worker(steps=3):
+    import torch.distributed as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for prefetch in (0, 10**8):
+        model = reads_child_model()
+        engine = zl.initialize(model, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                       "zero_optimization": stage3(prefetch)})
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+            engine.backward(torch.nn.functional.mse_loss(engine(x[2 * rank: 2 * rank + 2]), y[2 * rank: 2 * rank + 2]))
+            engine.step()
+        with torch.no_grad():   # an eval forward reads it too
+            out[prefetch] = (engine.full_state_dict(), engine(x).sum().item())
+    return out
+
+
+def test_a_parent_reading_its_childs_weight_trains_like_one_process():
+    results = zl.launch(reads_child_worker, world_size=2, timeout=120, threads=1)
+    model = reads_child_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        want_out = model(x).sum().item()
+    for r in results:
+        for state, out in r.values():
+            for name, p in model.state_dict().items():
+                torch.testing.assert_close(state[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            assert out == pytest.approx(want_out, rel=1e-5)

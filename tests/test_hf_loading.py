@@ -283,3 +283,63 @@ def test_peft_adapter_file_loads(tmp_path):
     report = {s: r if isinstance(r, str) else "max diff %.3g (%s)" % max_diff(r, want) for s, r in got.items()}
     print("PEFT adapter file:", report)
     assert all(not isinstance(r, str) and max_diff(r, want)[0] == 0.0 for r in got.values()), report
+
+
+# ---------------------------------------------------------------- a buffer computed in __init__ (Gemma 2's embed_scale)
+def gemma2(meta=False):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    cfg = Gemma2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return Gemma2ForCausalLM(cfg)
+    return Gemma2ForCausalLM(cfg)
+
+
+class ComputedBuffer(torch.nn.Module):
+    """A Linear and a buffer its __init__ computes; reset_parameters() leaves the buffer alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.arange(4.0), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def gemma_worker(src, stages=(0, 3)):
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for stage in stages:
+        try:
+            engine = zl.initialize(gemma2(meta=True), engine_config(stage))
+            engine.load_state_dict(src)   # the file holds no embed_scale (persistent=False)
+            with torch.no_grad():
+                out[stage] = engine(input_ids=ids).logits.float()
+        except RuntimeError as e:
+            out[stage] = f"RuntimeError: {str(e)[:300]}"
+    with torch.device("meta"):
+        model = ComputedBuffer()
+    engine = zl.initialize(model, engine_config(0))
+    try:
+        engine(torch.ones(1, 4))
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_gemma2_built_on_meta_computes_its_embed_scale(tmp_path):
+    model = gemma2()
+    model.save_pretrained(tmp_path)
+    got = zl.launch(gemma_worker, world_size=2, args=(str(tmp_path),), timeout=300, threads=1)
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    for r in got:
+        for stage in (0, 3):
+            assert not isinstance(r[stage], str), r[stage]
+            torch.testing.assert_close(r[stage], want, rtol=1e-5, atol=1e-5)
+        # a buffer nothing sets again is refused with the true reason
+        assert "['scale']" in r["refused"] and "a buffer: its module computed it in __init__" in r["refused"]

@@ -25,8 +25,8 @@ first layer index of each stage, then the number of layers):
 (``balanced_parts``, written here from that rule). Differences from
 DeepSpeed: ranks are placed DP-outermost (zerolab's mesh: rank = dp_rank x pp +
 stage; DeepSpeed's topology puts the pipeline outermost: rank = stage x dp +
-dp_rank) -- the same when dp or pp is 1; what passes between stages must be
-one tensor (DeepSpeed also sends tuples); a ``TiedLayerSpec`` key must sit on
+dp_rank) -- the same when dp or pp is 1 (what passes between stages is a tensor or a
+tuple of tensors, as in DeepSpeed); a ``TiedLayerSpec`` key must sit on
 one stage or on the first and the last (zerolab's pipeline sums a tied weight's
 gradients over those two, as DeepSpeed sums them over the stages holding it, and
 starts the last stage's copy from the first's);

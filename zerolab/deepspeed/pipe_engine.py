@@ -105,10 +105,9 @@ class PipelineEngine(DeepSpeedEngine):
         self.engine.train(False)
         batches = self._micro_batches(m, data_iter)
         link, first, last, s = P2P(self.mesh), self.is_first_stage(), self.is_last_stage(), self.stage_id
-        dtype = self.engine.precision.compute_dtype
         outputs, logits = [], None
         for x, y in batches:
-            h = self.engine.module(x if first else link.recv(s - 1, dtype))
+            h = self.engine(x if first else link.recv(s - 1))   # the engine's forward: bf16 casts the inputs
             if last:
                 logits = h
                 outputs.append(self.pipe_module.loss_fn(h, y).float() if compute_loss else h)

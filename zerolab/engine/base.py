@@ -34,7 +34,7 @@ from torch import nn
 
 from zerolab.engine import events as ev
 from zerolab.runtime.comm import Communicator
-from zerolab.engine.flat import FlatParams
+from zerolab.engine.flat import FlatParams, model_device
 from zerolab.engine.groups import resolve_groups, unit_runs
 from zerolab.engine.bigmodel.materialize import buffer_marks, check_initialised, materialize
 from zerolab.engine.accumulate import CallerReduces, keep_reduced_once
@@ -45,15 +45,6 @@ from zerolab.engine.optim import ShardedOptimizer, clip_coefficient, make_schedu
 from zerolab.engine.unused import SkipUnused, param_spans
 from zerolab.engine.precision import DynamicLossScaler, cast_floats, local_overflow, precision_of
 from zerolab.engine.trace import drained, start_trace, traced, updated
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """Where the flat buffer goes: the parameters' device; for a meta-device model the
-    current accelerator if there is one, else the CPU."""
-    for p in model.parameters():
-        if not p.is_meta:
-            return p.device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
@@ -90,7 +81,8 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
             self.frozen_flat = fz if fz.units else None
         # unit by unit: copy the model's values in, or build a meta-device model's (materialize.py)
         keep = {i for i, u in enumerate(self.flat.units) if u.name == "persistent"}
-        self.uninitialised = materialize(self.flat, model, self.communicator, keep, self.frozen_flat)
+        span = (lambda u: self.flat.own_range(u, self.shards_optimizer)) if self.precision.has_master else None
+        self.uninitialised = materialize(self.flat, model, self.communicator, keep, self.frozen_flat, span)
         for m in model.modules():  # buffers compute in the compute dtype too (as module.to(dtype))
             for k, b in m._buffers.items():
                 if b is not None and b.is_floating_point():
@@ -100,6 +92,7 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
         self.build_buckets(cfg.zero.reduce_bucket_size, cfg.zero.allgather_bucket_size)
         self.build_grads()
         self.build_optimizer()
+        self.flat.exact.clear()   # an engine whose master is elsewhere (offload) did not take them
         self.scheduler = make_scheduler(cfg.scheduler)
         self.scaler = DynamicLossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
         self.micro_steps = self.global_steps = self.skipped_steps = 0
@@ -125,10 +118,10 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
         if self.precision.has_master:
             self.master = torch.empty(owned_numel, dtype=torch.float32, device=device)  # fp32 master: owned numel
             self.targets, off = [], 0
-            for u in units:
+            for i, u in enumerate(units):   # from the model's fp32 values where it had them (materialize)
                 own = self.own(self.flat.flat, u)
                 self.targets.append(self.master[off: off + own.numel()])
-                self.targets[-1].copy_(own)
+                self.targets[-1].copy_(self.flat.exact.pop(i, own))
                 off += own.numel()
         else:
             self.master = None

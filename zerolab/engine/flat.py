@@ -53,6 +53,15 @@ class Unit:
     offsets: list = field(default_factory=list)  # per-param offset inside the unit
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where the flat buffer goes: the parameters' device; for a meta-device model the
+    current accelerator if there is one, else the CPU."""
+    for p in model.parameters():
+        if not p.is_meta:
+            return p.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def find_units(model: nn.Module, policy=None) -> list[tuple[str, nn.Module]]:
     """The unit modules of ``model`` in module order: ``[("rest", model), (path, module), ...]``.
 
@@ -181,6 +190,7 @@ class FlatParams:
             self.flat = torch.zeros(self.padded, dtype=dtype, device=device)
             self.full = [self.unit_view(self.flat, u) for u in self.units]
         self.unit_views = [None] * len(self.units)   # per unit: its params' views of full[i] (materialize.py)
+        self.exact = {}   # unit index -> the fp32 values of its master range, where they came in fp32 (materialize.py)
         if fill:
             if sharded:
                 raise ValueError("FlatParams(sharded=True) is filled by zerolab.engine.bigmodel.materialize")

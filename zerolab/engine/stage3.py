@@ -26,9 +26,15 @@ unit of their own, all-gathered after the step like stage 2. Gathering ahead
 and keeping units for reuse (the other ``stage3_*`` knobs) is ``prefetch.py``;
 frozen parameters (a LoRA base) are partitioned as *frozen twins*, ``frozen.py``.
 ``{"zerolab": {"debug": true}}``: a released parameter raises an explanatory error when touched.
+A module's forward may read a parameter of another unit without calling its module (a parent
+reading its child's weight): the read gathers that unit, which stays gathered until backward has
+its gradients (or the forward ends, without gradients) — DeepSpeed's "external parameters", found
+as DeepSpeed finds them, through each module's ``_parameters`` (``ReadGathers``).
 Every rank must gather the same units in the same order; ``unit_order.py`` checks it at each step.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -98,6 +104,27 @@ class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, UnitO
         self._root_units = [i for i, u in enumerate(units) if u.name == "rest"]
         for module, deps, root, index in unit_hooks(model, units, flat.policy, self._unit_of, self.persistent):
             self._module_hooks += self._hook(module, deps, root=root, index=index)
+        self._running, self._pinned = [], set()   # the hooked modules' units, innermost last; units read (read_param)
+        me = weakref.ref(self)
+        for m in model.modules():
+            if any(id(q) in self._unit_of for q in m._parameters.values() if q is not None):
+                m._parameters = ReadGathers(me, m._parameters)
+
+    def read_param(self, p) -> None:
+        """A parameter is read. In a forward, by a module that does not gather its unit (a parent
+        reading its child's weight): the unit is gathered (the same read on every rank, so the same
+        gather), kept until release_all (end of backward, or of a forward without gradients), and
+        reduced when backward ends (the reader's gradient for it comes after the child's backward)."""
+        i = self._unit_of.get(id(p))
+        if i is None or not self._running or i in self._running[-1] or i in self.persistent:
+            return
+        if i not in self._gathered:
+            self.gather_params([i])
+        self._pinned.add(i)
+        if torch.is_grad_enabled() and i < self.n_trainable:
+            if self._calls_left is None:
+                self._calls_left = [0] * self.n_trainable
+            self._calls_left[i] += 1   # a call whose end never comes: ready when backward ends
 
     # ---------------------------------------------------------------- gather, release
     def gather_params(self, units) -> None:
@@ -153,6 +180,7 @@ class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, UnitO
 
     def release_all(self) -> None:
         """Release every gathered unit (not the persistent one)."""
+        self._pinned.clear()
         for i in list(self._inflight) + list(self._gathered):
             if i not in self.persistent:
                 self.release_params(i)
@@ -164,6 +192,7 @@ class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, UnitO
         def pre_forward(_, args, kwargs):
             if root:
                 self.release_all()   # anything left by a forward that had no backward
+                self._running = []
                 # a training forward records the unit order (and prefetches along it); an eval or
                 # no_grad forward (validation, generation) releases everything when it ends
                 self._tracing = torch.is_grad_enabled() and self.module.training
@@ -172,6 +201,7 @@ class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, UnitO
                 if torch.is_grad_enabled():
                     self._grads_left = list(self._n_params)
             self._use(units)
+            self._running.append(units)
             if not root and index >= 0 and torch.is_grad_enabled():   # reduced when its backward is done
                 self.watch_backward(index, args, kwargs)
             if frozen and torch.is_grad_enabled():   # frozen twins: released once the inputs have gradients
@@ -183,10 +213,12 @@ class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, UnitO
             tensors = [t for t in tensors_of(output) if t.requires_grad]
             if tensors and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
+            if self._running:
+                self._running.pop()
             if root and not self._tracing:
                 self.release_all()
             for i in units:
-                if root or i not in self._root_units:
+                if (root or i not in self._root_units) and i not in self._pinned:
                     self._done_with(i)
 
         def pre_backward(_grad):
@@ -231,3 +263,23 @@ class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, UnitO
         r.gathered = sum(storage_bytes(b) for i, b in enumerate(self._full) if i not in self.persistent)
         r.buffers += r.gathered
         return r
+
+
+class ReadGathers(dict):
+    """A module's ``_parameters`` at stage 3: reading a parameter (``module.weight``) tells the
+    engine (``read_param``), which gathers it if a forward reads it released."""
+    __slots__ = ("engine",)
+
+    def __init__(self, engine_ref, params):
+        super().__init__(params)
+        self.engine = engine_ref
+
+    def __getitem__(self, key):
+        p = super().__getitem__(key)
+        engine = self.engine()
+        if engine is not None and p is not None:
+            engine.read_param(p)
+        return p
+
+    def __reduce__(self):   # pickled (torch.save(model)) as the plain dict it stands for
+        return dict, (dict(self),)

@@ -35,12 +35,12 @@ def _is_engine(stage) -> bool:
     return hasattr(stage, "backward") and hasattr(stage, "gas") and hasattr(stage, "step")
 
 
-def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", dtype=None) -> float:
+def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b") -> float:
     """One step over ``batches`` (a list of (inputs, targets), the same on every stage of a
     pipeline) through the pipeline; returns the mean loss, the same on every rank. ``stage``:
     this rank's stage module, or an engine over it (then ``len(batches)`` must be its
-    gradient_accumulation_steps). ``dtype``: of the activations passed between stages (default:
-    the engine's compute dtype, else fp32)."""
+    gradient_accumulation_steps). What a stage returns passes to the next as it is: a tensor or a
+    tuple of tensors, of any dtype and shape (an integer tensor travels without a gradient)."""
     p, s = (mesh.pp, mesh.pp_rank) if mesh is not None else (1, 0)
     m = len(batches)
     engine = stage if _is_engine(stage) else None
@@ -55,7 +55,6 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", dtyp
     if tied and engine is not None and not engine.keeps_full_grads:
         raise ValueError(f"train_batch: a weight tied across pipeline stages needs ZeRO-0/1's whole local "
                          f"gradients (zero_optimization.stage 0 or 1); stage {engine.stage} keeps only a shard")
-    dtype = dtype or (engine.precision.compute_dtype if engine is not None else torch.float32)
     order = schedule(schedule_kind, m, p, s)
     link, first, last = (P2P(mesh) if p > 1 else None), s == 0, s == p - 1
     rec = StepRecorder(module.parameters())
@@ -63,7 +62,7 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", dtyp
     last_b = max(k for k, (op, _) in enumerate(order) if op == "B")
     for k, (op, i) in enumerate(order):
         if op == "F":
-            x = batches[i][0] if first else link.recv(s - 1, dtype).requires_grad_()
+            x = batches[i][0] if first else _leaf(link.recv(s - 1))
             with rec.op("F", i):
                 y = stage(x)
                 if last:
@@ -74,21 +73,21 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", dtyp
             inputs[i], outputs[i] = x, y
             continue
         x, y = inputs.pop(i), outputs.pop(i)
-        grad = None if last else link.recv(s + 1, y.dtype)
+        grad = link.recv(s + 1) if not last and _floats(y) else None
         defer = bool(tied) and engine is not None and k == last_b
         with rec.op("B", i):
             if last:
                 target = y if engine is not None else y / m   # an engine divides by its gas itself
             else:   # an engine divides what it is given by gas: the gradient received already was
-                target = (y.float() * grad.float()).sum() * (m if engine is not None else 1)
+                target = _dot(y, grad, s) * (m if engine is not None else 1)
             if engine is None:
                 target.backward()
             elif defer:   # the gradients stay local: the tied weight's are summed first
                 engine.backward(target, allreduce_gradients=False)
             else:
                 engine.backward(target)
-        if not first:   # before the step: at the boundary it all-reduces the norm over the PP group too
-            link.send(x.grad, s - 1)
+        if not first and _floats(x):   # before the step: at the boundary it all-reduces the norm over PP too
+            link.send(_input_grads(x), s - 1)
         if defer:
             _sum_tied_then_reduce(engine, mesh, tied)
         if engine is not None:
@@ -107,6 +106,34 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", dtyp
         dp.all_reduce(loss, op="avg", tag="pipeline-loss", control=True)   # bookkeeping: in ledger.control
     stage.pipeline_stats = rec.stats()
     return float(loss)
+
+
+def _floats(t) -> list:
+    """The floating tensors of ``t`` (a tensor or a tuple): those that carry gradients between stages."""
+    return [q for q in (t if isinstance(t, tuple) else (t,)) if q.is_floating_point()]
+
+
+def _leaf(x):
+    """A received input: its floating tensors become leaves whose gradients go back to the sender."""
+    for q in _floats(x):
+        q.requires_grad_()
+    return x
+
+
+def _input_grads(x):
+    """The gradient of each floating input, sent back: zeros for an input the stage left unused."""
+    grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in _floats(x)]
+    return tuple(grads) if isinstance(x, tuple) else grads[0]
+
+
+def _dot(y, grad, s: int):
+    """sum(y_i * dL/dy_i) over the floating outputs: its backward is the backward of the loss."""
+    grads = grad if isinstance(grad, tuple) else (grad,)
+    terms = [(a.float() * g.float()).sum() for a, g in zip(_floats(y), grads) if a.requires_grad]
+    if not terms:
+        raise ValueError(f"train_batch: pipeline stage {s}'s output does not depend on its parameters or its "
+                         f"input (no floating tensor requiring a gradient): nothing to backpropagate")
+    return sum(terms)
 
 
 def _sum_tied_then_reduce(engine, mesh, tied) -> None:

@@ -5,7 +5,8 @@ forwards and backwards — ``"gpipe"`` (every forward, then every backward: m
 micro-batches' activations in flight) or ``"1f1b"`` (p - s - 1 warm-up forwards, then
 one forward and one backward in turn: at most p - s in flight). ``split_blocks``: the
 contiguous share of the blocks each stage keeps. ``P2P``: sends and receives between
-neighbouring stages, each payload booked under ``group="pp"``.
+neighbouring stages (a tensor or a tuple of tensors, any dtype and number of dimensions: a header
+says which), each payload booked under ``group="pp"``.
 """
 from __future__ import annotations
 
@@ -44,9 +45,18 @@ def split_blocks(n_blocks: int, pp: int) -> list:
     return bounds
 
 
+# the dtypes a header can name (its code: the index here)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool)
+
+
 class P2P:
-    """Sends (non-blocking, waited at the end) and blocking receives to the neighbouring stages;
-    each payload booked in the mesh's ledger under "pp" (a 4-int64 header with the shape is not)."""
+    """Sends (non-blocking, waited at the end) and blocking receives to the neighbouring stages.
+
+    What passes is a tensor or a tuple of tensors. Each send is preceded by a header (int64: its
+    length, then whether a tuple, the number of tensors, and per tensor its dtype code and number of
+    dimensions and shape), so the receiver allocates what was sent, whatever its dtype and number of
+    dimensions. Each payload is booked in the mesh's ledger under "pp" (the headers are not)."""
 
     def __init__(self, mesh):
         self.mesh, self.ranks, self.pending = mesh, mesh.ranks("pp"), []
@@ -60,21 +70,50 @@ class P2P:
                                                    group="pp"))
 
     def send(self, t, stage):
-        peer, t = self.ranks[stage], t.detach().contiguous()
-        head = torch.tensor(list(t.shape) + [0] * (4 - t.dim()) + [t.dim()], dtype=torch.int64)
-        self.pending += [(dist.isend(head, peer), head), (dist.isend(t, peer), t)]
-        self._book("send", t, peer)
+        peer, is_tuple = self.ranks[stage], isinstance(t, (tuple, list))
+        parts = [q.detach().contiguous() for q in tensors(t, f"what is sent to pipeline stage {stage}")]
+        head = [int(is_tuple), len(parts)]
+        for q in parts:
+            head += [DTYPES.index(q.dtype), q.dim(), *q.shape]
+        for h in (torch.tensor([len(head)], dtype=torch.int64), torch.tensor(head, dtype=torch.int64)):
+            self.pending.append((dist.isend(h, peer), h))
+        for q in parts:
+            if q.numel():
+                self.pending.append((dist.isend(q, peer), q))
+            self._book("send", q, peer)
 
-    def recv(self, stage, dtype):
+    def recv(self, stage):
+        """The tensor (or tuple) the neighbouring ``stage`` sent, in its dtype and shape."""
         peer = self.ranks[stage]
-        head = torch.empty(5, dtype=torch.int64)
+        n = torch.empty(1, dtype=torch.int64)
+        dist.recv(n, peer)
+        head = torch.empty(int(n), dtype=torch.int64)
         dist.recv(head, peer)
-        t = torch.empty(head[:int(head[4])].tolist(), dtype=dtype)
-        dist.recv(t, peer)
-        self._book("recv", t, peer)
-        return t
+        head, parts, k = head.tolist(), [], 2
+        for _ in range(head[1]):
+            dtype, ndim = DTYPES[head[k]], head[k + 1]
+            q = torch.empty(head[k + 2:k + 2 + ndim], dtype=dtype)
+            k += 2 + ndim
+            if q.numel():
+                dist.recv(q, peer)
+            self._book("recv", q, peer)
+            parts.append(q)
+        return tuple(parts) if head[0] else parts[0]
 
     def wait(self):
         for work, _ in self.pending:
             work.wait()
         self.pending.clear()
+
+
+def tensors(t, what: str) -> list:
+    """``t`` (a tensor, or a tuple or list of tensors) as a list; anything else refused by name."""
+    parts = list(t) if isinstance(t, (tuple, list)) else [t]
+    for q in parts:
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"{what}: a tensor or a tuple of tensors can pass between pipeline stages; got "
+                            f"{type(t).__name__}" + (f" holding a {type(q).__name__}" if q is not t else ""))
+        if q.dtype not in DTYPES:
+            raise TypeError(f"{what}: dtype {q.dtype} cannot pass between pipeline stages (one of "
+                            f"{', '.join(str(d).replace('torch.', '') for d in DTYPES)})")
+    return parts

@@ -5,7 +5,8 @@ a ``.safetensors`` file, a Hugging Face sharded checkpoint's ``*.index.json``
 (every shard it names) or a ``save_pretrained`` folder. A tied parameter is one
 parameter under several names: any of them in the file loads it (HF's files
 leave the aliases out); a PEFT adapter file's names load into the model's
-``...default...`` adapter. Files are memory-mapped, never read whole: each
+``...default...`` adapter; a Hugging Face file's per-expert names load into the model's fused
+experts (``hf_names.py``: transformers' own conversion mapping). Files are memory-mapped, never read whole: each
 rank copies, parameter by parameter, only the elements of its own shard
 (stage 3; stages 0-2 keep every parameter, so they copy all of them), and the
 pages it never touches are never read. The 16-bit parameters take the cast
@@ -30,6 +31,8 @@ import os
 import struct
 
 import torch
+
+from zerolab.engine.bigmodel.hf_names import hf_names
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -165,6 +168,7 @@ def load_state_dict(engine, src, strict: bool = True) -> tuple[list, list]:
     raw, where = open_state_dict(src)
     flat, model = engine.flat, engine.module
     current = model.state_dict(keep_vars=True)
+    raw = hf_names(model, raw, current)   # a HF file's per-expert names: the model's fused experts
     sd = with_aliases(raw, current)   # tied names are one parameter; PEFT's adapter names
     used = {id(v) for k, v in sd.items() if k in current}
     sd = {k: v for k, v in sd.items() if k in current or id(v) not in used}   # aliases consumed: not unexpected

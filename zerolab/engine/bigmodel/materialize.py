@@ -26,6 +26,8 @@ whole by their module the same way. An uninitialised tensor must come from
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -44,12 +46,22 @@ def direct_owners(model: nn.Module) -> dict:
 
 
 @torch.no_grad()
-def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None) -> set:
+def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None, master_range=None) -> set:
     """Fill ``flat`` (and stage 3's ``frozen_flat``) from the model (copy, or build meta
     parameters); return the names of tensors left uninitialised (meta, and no
     ``reset_parameters`` could build them). ``keep``: unit indices whose full buffer stays
-    allocated (stage 3's persistent unit)."""
+    allocated (stage 3's persistent unit). ``master_range(u)``: the elements of unit ``u`` this
+    rank's fp32 master holds (None: no master); where the model's values come in fp32, they are
+    kept there (``flat.exact[i]``, rank 0's) for the master to start from, not their rounding."""
     rank, world = communicator.rank, communicator.world_size
+    main, exact = flat, {}   # unit index -> its (padded,) fp32 values while it is placed (rank 0's once shared)
+    rounded = [n for u in flat.units for n, p in u.params if master_range is not None and not p.is_meta
+               and p.dtype == flat.dtype != torch.float32]
+    if rounded:
+        warnings.warn(f"zl.initialize: {len(rounded)} parameter(s) ({rounded[0]}, ...) arrived in {flat.dtype}: "
+                      f"the fp32 master starts from these rounded values, the model's fp32 values are gone. Build "
+                      f"it in fp32 (or on the meta device and load an fp32 checkpoint) for an exact master",
+                      stacklevel=3)
     names = {}
     for n, p in model.named_parameters():
         names.setdefault(id(p), n)
@@ -59,6 +71,7 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
     pending = {id(p) for _, p in model.named_parameters() if p.is_meta and (hf is not None or not hasattr(p, "_zl_piece"))}
     frozen = {id(p) for _, p in flat.frozen}
     meta_buffers = set()   # (module id, buffer name): no values unless a BatchNorm's reset fills them
+    where, written = {id(m): n for n, m in model.named_modules()}, set()   # meta buffers rank 0's build set
     uninit: set = set()
     for mname, m in model.named_modules():
         for k, b in m._buffers.items():
@@ -85,7 +98,10 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
                     set_data(p, torch.zeros(p.shape, dtype=flat.dtype, device=flat.device))
             if hasattr(m, "reset_parameters") or hf is not None:
                 if rank == 0:
-                    construct(m, hf, lora.get(id(m)))
+                    before = {k: (b, b._version) for k, b in m._buffers.items() if (id(m), k) in meta_buffers}
+                    construct(m, hf, lora.get(id(m)))   # may compute a buffer too (Gemma's embed_scale)
+                    written.update(f"{where[id(m)]}.{k}".lstrip(".") for k, (b, v) in before.items()
+                                   if m._buffers[k] is not b or b._version != v)
                 pending.difference_update(id(p) for p in own)
                 uninit.difference_update(norm_stats.get(id(m), ()))
 
@@ -96,20 +112,41 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
             buf.untyped_storage().resize_(flat.units[i].padded * buf.element_size())   # (padded_u,): one unit
             buf.zero_()
         flat.unit_views[i] = flat.views(i)   # made while the buffer has storage (stage 3 reuses them)
-        for (_, p), view in zip(flat.units[i].params, flat.unit_views[i]):
-            if not p.is_meta:
-                view.copy_(p.data)
-            elif hasattr(p, "_zl_piece"):   # built under zl.zero_init: every rank's piece (zero_init.py)
-                view.copy_(gather_piece(p, communicator).view(view.shape))
+        u, ex, filled = flat.units[i], None, set()
+        if flat is main and master_range is not None and flat.dtype != torch.float32 and any(
+                (p.is_meta and hasattr(p, "_zl_piece")) or p.dtype == torch.float32 for _, p in u.params):
+            ex = torch.zeros(u.padded, dtype=torch.float32, device=flat.device)
+            exact[i] = (ex, filled)
+        for (_, p), view, off in zip(u.params, flat.unit_views[i], u.offsets):
+            value = p.data if not p.is_meta else None
+            if p.is_meta and hasattr(p, "_zl_piece"):   # built under zl.zero_init: every rank's piece (zero_init.py)
+                value = gather_piece(p, communicator).view(view.shape)
                 del p._zl_piece
+            if value is not None:
+                view.copy_(value)
+                if ex is not None and value.dtype == torch.float32:
+                    ex[off: off + p.numel()].copy_(value.reshape(-1))
+                    filled.add(off)
             set_data(p, view)
 
     def share(i: int, flat=flat) -> None:
-        """Stage 3: rank 0's values to every rank; keep this rank's shard; free the buffer."""
+        """Rank 0's values to every rank: stage 3 here, unit by unit (then this rank keeps its shard
+        and frees the buffer), stages 0-2 at the end, the whole flat buffer; a unit with fp32 values
+        here too, in fp32 (the 16-bit buffer is their rounding, the master range is kept in fp32)."""
         u, buf = flat.units[i], flat.full[i]
-        if flat.sharded:
+        ex, filled = exact.pop(i, (None, ())) if flat is main else (None, ())
+        if ex is not None:
+            for (_, p), off in zip(u.params, u.offsets):   # what is not fp32 (built here, or 16-bit)
+                if off not in filled:
+                    ex[off: off + p.numel()].copy_(buf[off: off + p.numel()])
             if world > 1:
-                communicator.broadcast(buf, src=0, tag="init-params")
+                communicator.broadcast(ex, src=0, tag="init-params")
+            buf.copy_(ex)
+            lo, hi = master_range(u)
+            flat.exact[i] = ex[lo:hi].clone()
+        elif flat.sharded and world > 1:
+            communicator.broadcast(buf, src=0, tag="init-params")
+        if flat.sharded:
             flat.shard_view(flat.flat, u).copy_(buf[rank * u.shard: (rank + 1) * u.shard])
             if i not in keep:
                 released(buf)
@@ -166,8 +203,20 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None)
                 hf._init_weights(m)
                 uninit.difference_update(f"{mname}.{k}" if mname else k for k in ks
                                          if m._buffers[k]._version != before[k])
+    agree_written(sorted(f"{where[i]}.{k}".lstrip(".") for i, k in meta_buffers), written, uninit, communicator)
     uninit.update(names[i] for i in pending)
     return uninit
+
+
+def agree_written(meta_names: list, written: set, uninit: set, communicator) -> None:
+    """The meta buffers rank 0's build computed (it alone builds) count as set on every rank (their
+    values reach the others with the buffers' broadcast)."""
+    if not meta_names:
+        return
+    flags = torch.tensor([n in written for n in meta_names], dtype=torch.int32)
+    if communicator.world_size > 1:
+        communicator.all_reduce(flags, op="max", tag="init-buffers-built", control=True)
+    uninit.difference_update(n for n, f in zip(meta_names, flags.tolist()) if f)
 
 
 def hf_model(model: nn.Module):
@@ -224,7 +273,9 @@ def check_initialised(uninit: set, marks: dict | None = None) -> None:
         names = sorted(uninit)
         raise RuntimeError(
             f"the model was built on the meta device and {len(names)} tensor(s) have no values: "
-            f"{names[:5]}{' ...' if len(names) > 5 else ''}. Their modules have no reset_parameters() (or "
-            f"share a parameter with another unit); load them with engine.load_state_dict(state_dict_or_path) "
-            f"before the first forward (a buffer that is not in the state dict, registered with persistent=False, "
-            f"can also be set on the module after zl.initialize, in place or by assignment)")
+            f"{names[:5]}{' ...' if len(names) > 5 else ''}. A parameter: its module has no reset_parameters() "
+            f"(or shares a parameter with another unit); a buffer: its module computed it in __init__, which on "
+            f"the meta device keeps no value, and neither reset_parameters() nor the model's _init_weights sets it "
+            f"again. Load them with engine.load_state_dict(state_dict_or_path) before the first forward (a buffer "
+            f"that is not in the state dict, registered with persistent=False, can also be set on the module after "
+            f"zl.initialize, in place or by assignment)")

@@ -34,7 +34,7 @@ class OffloadOptimizer:
     """
 
     def __init__(self, kind, params, targets, has_master, off, rank=0, sub_group_size=10**9,
-                 key="zero_optimization.offload_optimizer", groups=None, segments=None):
+                 key="zero_optimization.offload_optimizer", groups=None, segments=None, start=None):
         # validated hyper-parameters (per parameter group), torch.optim's maths
         self.math = ShardedOptimizer(kind, params, [], groups, segments)
         self.kind, self.targets, self.has_master, self.device = kind, targets, has_master, off.device
@@ -73,7 +73,7 @@ class OffloadOptimizer:
         for k, (i, a, b) in enumerate(self.pieces):   # initial state: master = the parameters, moments = 0
             chunk = torch.zeros(chunks[k], dtype=torch.float32) if self.store else self.chunks[k]
             if has_master:
-                chunk[: b - a].copy_(targets[i][a:b])
+                chunk[: b - a].copy_((start or targets)[i][a:b])   # start: fp32 values where the model had them
             if self.store:
                 self.store.write_now(k, chunk)
         self._error = None

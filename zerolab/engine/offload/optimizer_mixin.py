@@ -39,7 +39,8 @@ class OffloadMixin:
         self.optimizer = OffloadOptimizer(self.config.optimizer.type, self.config.optimizer.params, self.targets,
                                           self.precision.has_master, z.offload_optimizer, self.rank,
                                           z.sub_group_size, groups=self.group_hypers,
-                                          segments=self.group_segments())
+                                          segments=self.group_segments(),
+                                          start=[self.flat.exact.pop(i, t) for i, t in enumerate(self.targets)])
 
     # ---------------------------------------------------------------- gradients go to the host in backward
     def build_grads(self) -> None:
