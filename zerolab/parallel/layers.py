@@ -165,6 +165,11 @@ class VocabParallelEmbedding(nn.Module):
         return {"weight": (self.num_embeddings, self.embedding_dim)}
 
     def forward(self, idx):
+        full = self.num_embeddings * self.comm.world_size   # ids are the same on every TP rank: all raise alike
+        if bool(((idx < 0) | (idx >= full)).any()):
+            bad = idx[(idx < 0) | (idx >= full)]
+            raise IndexError(f"{self.tp_name}: token id {bad[0].item()} out of range [0, {full}) (the vocabulary "
+                             f"of the embedding; {bad.numel()} such id(s)), as nn.Embedding refuses it")
         local = idx - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
         out = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
