@@ -44,6 +44,7 @@ the loss with ``vocab_parallel_cross_entropy`` (not the model's ``labels=``).
 """
 from __future__ import annotations
 
+import copy
 from fnmatch import fnmatchcase
 
 import torch
@@ -51,6 +52,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, as_linear, unshard
+from zerolab.parallel.check import check as check_conversion
+from zerolab.parallel.regions import found_in_split, mark_replicated_in_split
 from zerolab.parallel.sequence import wire
 
 GPT_PLAN = {
@@ -77,8 +80,11 @@ HF_LLAMA_PLAN = {
     "lm_head": "colwise",
 }
 GPT_SP_PLAN = {"wpe": "sequence"}   # added to GPT_PLAN under sequence_parallel=True
-STYLES = {"colwise": "Linear", "colwise_gather": "Linear", "colwise_qkv": "Linear", "rowwise": "Linear",
-          "vocab": "Embedding", "sequence": None}
+STYLES = {"colwise": "Linear", "colwise_gather": "Linear", "colwise_qkv": "Linear", "colwise_gate_up": "Linear",
+          "rowwise": "Linear",
+          "vocab": "Embedding", "sequence": None, "replicated_in_split": None}
+PARTS = {"colwise_qkv": 3, "colwise_gate_up": 2}   # fused layers: each block split
+STYLES_KEPT = ("sequence", "replicated_in_split")   # modules kept whole (wired by sequence.py / regions.py)
 HEAD_ATTRS = ("n_head", "num_heads", "split_size",   # divided by tp where a child is split column-wise
               "num_key_value_heads")
 # checked (tp must divide them) where a child is split column-wise, never changed: an MLP's width, and
@@ -109,6 +115,9 @@ def _style_of(name: str, plan: dict, used: set):
 def _kind(module) -> str | None:
     if type(module) in (nn.Linear, nn.Embedding):
         return type(module).__name__
+    if isinstance(module, nn.Embedding) and torch.is_tensor(getattr(module, "embed_scale", None)) and \
+            type(module).forward.__qualname__.endswith("ScaledWordEmbedding.forward"):
+        return "Embedding"   # Gemma's: the lookup times embed_scale (layers.py)
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):   # Hugging Face GPT-2's transposed Linear
         return "Linear"
     return None
@@ -122,16 +131,23 @@ def _convert(module, style, comm, memo, name):
     if style == "vocab":
         return VocabParallelEmbedding(module, comm, memo, name)
     if style == "rowwise":
-        return RowParallelLinear(as_linear(module), comm, memo, name)
-    return ColumnParallelLinear(as_linear(module), comm, gather_output=style == "colwise_gather", memo=memo,
-                                name=name, parts=3 if style == "colwise_qkv" else 1)
+        layer = RowParallelLinear(as_linear(module), comm, memo, name)
+    else:
+        layer = ColumnParallelLinear(as_linear(module), comm, gather_output=style == "colwise_gather", memo=memo,
+                                     name=name, parts=PARTS.get(style, 1))
+    layer.tp_transposed = not isinstance(module, nn.Linear)   # GPT-2's Conv1D: the original holds the weight in x out
+    return layer
 
 
-def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None, sequence_parallel: bool = False) -> nn.Module:
+def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None, sequence_parallel: bool = False,
+                    check: bool = True, example=None) -> nn.Module:
     """Replace, in place, each module of ``model`` whose dotted name matches a glob of ``plan``
     (default ``GPT_PLAN``) by its tensor-parallel form over ``mesh``'s TP group; returns ``model``.
     Every rank must call it with the same model (the values are sliced, not communicated).
-    ``sequence_parallel``: activations between the TP regions split along the sequence (module docstring)."""
+    ``sequence_parallel``: activations between the TP regions split along the sequence (module docstring).
+    ``check`` (with tp > 1): before returning, the converted model's outputs, gradients and ties are compared
+    with a copy of the plain model's on a tiny batch (``example=``: the caller's) — ``check.py``; a difference
+    raises ``TensorParallelCheckError`` naming it (the model is then left converted: build a fresh one)."""
     if plan is None:
         plan = {**GPT_PLAN, **GPT_SP_PLAN} if sequence_parallel else GPT_PLAN
     bad = {g: s for g, s in plan.items() if s not in STYLES}
@@ -153,6 +169,14 @@ def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None, sequence_p
         split = [c for c, _ in m.named_children() if f"{n}.{c}".lstrip(".") in
                  {t[0] for t in targets if t[2].startswith("colwise")}]
         if split:
+            qkv = [c for c in split if f"{n}.{c}".lstrip(".") in {t[0] for t in targets if t[2] == "colwise_qkv"}]
+            if qkv and isinstance(getattr(m, "head_dim", None), int) and not hasattr(m, "split_size"):
+                cfg = getattr(m, "config", None)   # Phi-3: q|k|v sliced at config.num_attention_heads * head_dim
+                raise ValueError(f"tensor_parallel: 'colwise_qkv' on {n + '.' + qkv[0]!r} is not supported: {n!r} "
+                                 f"({type(m).__name__}) slices its fused q|k|v by the model config's head counts "
+                                 f"(num_attention_heads={getattr(cfg, 'num_attention_heads', None)}, "
+                                 f"num_key_value_heads={getattr(cfg, 'num_key_value_heads', None)}), which a split "
+                                 f"cannot change; leave its attention whole (split the MLP: 'colwise_gate_up')")
             _check_sizes(n, m, tp)
             if isinstance(getattr(m, "head_dim", None), int) and not any(
                     isinstance(getattr(m, a, None), int) for a in HEAD_ATTRS):
@@ -165,16 +189,26 @@ def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None, sequence_p
                          f"(no n_head/num_heads: it reads the sequence length of its split input); "
                          f"use sequence_parallel=False")
     seq = [n for n, _, s in targets if s == "sequence"]
-    new = [(n, _convert(m, s, comm, memo, n)) for n, m, s in targets if s != "sequence"]   # all built first
+    ref = copy.deepcopy(model) if check and tp > 1 and not any(p.is_meta for p in model.parameters()) else None
+    new = [(n, _convert(m, s, comm, memo, n)) for n, m, s in targets if s not in STYLES_KEPT]   # all built first
     for n, layer in new:
         parent, _, attr = n.rpartition(".")
         setattr(model.get_submodule(parent), attr, layer)
     for m, attrs in heads.values():
         for attr in attrs:
             setattr(m, attr, getattr(m, attr) // tp)
+    converted = {n: s for n, _, s in targets}
+    mark_replicated_in_split(model, [n for n, s in converted.items() if s == "replicated_in_split"] +
+                             found_in_split(model, converted), comm)
     if sequence_parallel:
         wire(model, comm, heads, seq)
+    if ref is not None:
+        check_conversion(ref, model, comm, {n: (_glob_of(n, plan), s) for n, s in converted.items()}, example)
     return model
+
+
+def _glob_of(name: str, plan: dict) -> str:
+    return next(g for g in plan if fnmatchcase(name, g))
 
 
 class TPDims(dict):
