@@ -217,14 +217,17 @@ class TPDims(dict):
     already whole (``engine.full_state_dict()`` under a mesh gathers over TP itself) and pass it through."""
     local_shapes: dict
     tp: int
+    transposed: set   # weights held out x in whose original (GPT-2's Conv1D) is in x out
 
 
 def tp_dims(model: nn.Module) -> dict:
     """``{parameter name: (split dimension, parts)}`` for every tensor-parallel parameter of
     ``model`` (names as ``model.named_parameters(remove_duplicate=False)`` gives them; parts > 1:
     a fused q|k|v, each block split)."""
-    out, shapes, tp = TPDims(), {}, 1
+    out, shapes, tp, flip = TPDims(), {}, 1, set()
     for mname, m in model.named_modules(remove_duplicate=False):
+        if getattr(m, "tp_transposed", False) and getattr(m, "weight", None) is not None:
+            flip.add(f"{mname}.weight".lstrip("."))
         for pname, dim in getattr(m, "tp_dims", {}).items():
             p = getattr(m, pname, None)
             if p is not None:
@@ -233,7 +236,7 @@ def tp_dims(model: nn.Module) -> dict:
                 local = m.tp_shapes().get(pname) if hasattr(m, "tp_shapes") else None   # ZeRO-3 may have
                 shapes[name] = tuple(local) if local is not None else tuple(p.shape)   # released the values
                 tp = getattr(getattr(m, "comm", None), "world_size", tp)
-    out.local_shapes, out.tp = shapes, tp
+    out.local_shapes, out.tp, out.transposed = shapes, tp, flip
     return out
 
 
@@ -243,7 +246,8 @@ def _already_whole(name, t, dims) -> bool:
         return False
     full = list(local)
     full[dims[name][0]] *= dims.tp
-    return tuple(t.shape) == tuple(full)
+    return tuple(t.shape) == tuple(full) or (name in getattr(dims, "transposed", ()) and tuple(t.shape) ==
+                                             tuple(full[::-1]))
 
 
 def gather_tp(state: dict, dims: dict, mesh) -> dict:
@@ -251,18 +255,23 @@ def gather_tp(state: dict, dims: dict, mesh) -> dict:
     over the TP group along its dimension: full shapes, as before ``tensor_parallel``. A collective
     over the TP group, in ``state``'s order: every rank passes the same names. A tensor already whole
     (``engine.full_state_dict()`` under a mesh: its full shape, per ``tp_dims``) is passed through."""
-    comm = mesh.communicator("tp")
+    comm, flip = mesh.communicator("tp"), getattr(dims, "transposed", set())
     out = {}
     for name, t in state.items():
         if name not in dims or comm.world_size == 1 or _already_whole(name, t, dims):
-            out[name] = t
+            # tp=1: this rank's tensor is whole, in the converted layout (GPT-2's Conv1D back to in x out); a
+            # tensor already whole (engine.full_state_dict() under a mesh) is already in the original layout
+            out[name] = t.t() if name in flip and t.dim() == 2 and comm.world_size == 1 else t
             continue
         t = t.detach().contiguous()
         full = torch.empty(comm.world_size * t.numel(), dtype=t.dtype, device=t.device)
         comm.all_gather(full, t.view(-1), tag="tp-state")
         dim, parts = dims[name]
         out[name] = unshard(list(full.view(comm.world_size, *t.shape).unbind(0)), dim, parts)
+        if name in flip and out[name].dim() == 2:
+            out[name] = out[name].t()
     return out
+
 
 
 def gather_3d(state: dict, dims: dict, mesh) -> dict:
