@@ -188,6 +188,10 @@ def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None, sequence_p
         raise ValueError(f"tensor_parallel: sequence_parallel=True does not support the attention {ungathered[0]!r} "
                          f"(no n_head/num_heads: it reads the sequence length of its split input); "
                          f"use sequence_parallel=False")
+    if sequence_parallel and isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
+        raise ValueError(f"tensor_parallel: sequence_parallel=True does not support Hugging Face's "
+                         f"{type(model).__name__}: it builds its attention mask and position ids from the "
+                         f"embedding's sequence length, which sequence parallelism splits; use sequence_parallel=False")
     seq = [n for n, _, s in targets if s == "sequence"]
     ref = copy.deepcopy(model) if check and tp > 1 and not any(p.is_meta for p in model.parameters()) else None
     new = [(n, _convert(m, s, comm, memo, n)) for n, m, s in targets if s not in STYLES_KEPT]   # all built first
