@@ -129,7 +129,7 @@ def check(ref: nn.Module, model: nn.Module, comm, entries: dict, example=None) -
         for p, grad in grads.items():
             p.grad = grad
     flag = torch.tensor([0.0 if problem is None else 1.0])
-    comm.all_reduce(flag, tag="tp-check")   # every rank raises, or none
+    comm.all_reduce(flag, tag="tp-check", control=True)   # every rank raises, or none
     if problem is not None or flag.item():
         raise TensorParallelCheckError(f"tensor_parallel(check=True) on TP rank {comm.rank}: " + (
             problem or "another TP rank found the converted model differs from the plain one (see its error)") +

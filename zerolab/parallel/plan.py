@@ -54,6 +54,7 @@ from torch import nn
 from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, as_linear, unshard
 from zerolab.parallel.check import check as check_conversion
 from zerolab.parallel.regions import found_in_split, mark_replicated_in_split
+from zerolab.parallel.rng import track_rng
 from zerolab.parallel.sequence import wire
 
 GPT_PLAN = {
@@ -208,6 +209,8 @@ def tensor_parallel(model: nn.Module, mesh, plan: dict | None = None, sequence_p
         wire(model, comm, heads, seq)
     if ref is not None:
         check_conversion(ref, model, comm, {n: (_glob_of(n, plan), s) for n, s in converted.items()}, example)
+    if tp > 1:
+        track_rng(model, comm)   # dropout: the same numbers in replicated regions, different in split ones
     return model
 
 
