@@ -158,7 +158,7 @@ def _compare(ref, model, comm, entries, example) -> str | None:
                     f"{group[0]} ({_plan_of(group[0], entries)}), {group[1]} ({_plan_of(group[1], entries)})")
     args, kwargs = example_inputs(ref, comm.world_size, example)
     fp32 = next(ref.parameters()).dtype == torch.float32
-    tol = 1e-4 if fp32 else 5e-2
+    tol = 1e-3 if fp32 else 5e-2   # of the largest |value|: fp32 sums in another order; a wrong split is O(1)
     rec_ref, rec = {}, {}
     want = _run(ref, args, kwargs, rec_ref)
     try:
