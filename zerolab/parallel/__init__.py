@@ -9,7 +9,8 @@ vocabulary-parallel embedding), ``sequence`` (sequence parallelism wired into
 a converted model), ``plan`` (``tensor_parallel``: a plan of
 globs over module names; ``tp_dims`` / ``gather_tp``: the full state back),
 ``check`` (the conversion checked against the plain model), ``regions`` (whole parameters
-inside a split region: their gradients all-reduced over TP), ``cross_entropy``,
+inside a split region: their gradients all-reduced over TP), ``rng`` (the dropout RNG tracker),
+``cross_entropy`` (the loss over vocabulary-split logits),
 ``pipeline`` (``pipeline_stage``, the GPipe and 1F1B schedules, ``train_batch``).
 """
 from zerolab.parallel.check import TensorParallelCheckError

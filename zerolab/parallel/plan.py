@@ -7,16 +7,19 @@ style:
 * ``"colwise"`` — an ``nn.Linear`` split by output features (its output is
   this rank's slice); ``"colwise_gather"``: the same, output all-gathered whole;
   ``"colwise_qkv"``: a fused q|k|v, each of the three split (this rank's heads);
+  ``"colwise_gate_up"``: a fused gate|up (Phi-3's MLP), each half split;
 * ``"rowwise"`` — an ``nn.Linear`` split by input features (its input must be
   a column-parallel layer's slice), output summed over the TP group;
 * ``"vocab"`` — an ``nn.Embedding`` split by vocabulary rows;
 * ``"sequence"`` (only with ``sequence_parallel=True``) — any module, kept
   whole; its output keeps this rank's rows of the sequence (a position
-  embedding: ``parallel/sequence.py``).
+  embedding: ``parallel/sequence.py``); ``"replicated_in_split"`` — kept whole
+  inside a split region, its gradients all-reduced over TP (``regions.py``).
 
 ``sequence_parallel=True`` adds Megatron-LM's sequence parallelism
 (``parallel/sequence.py``); with the default plan it adds ``GPT_SP_PLAN``
-(TinyGPT's ``wpe`` as ``"sequence"``).
+(TinyGPT's ``wpe`` as ``"sequence"``). Every conversion is checked against the
+plain model (``check.py``) and gets the dropout RNG tracker (``rng.py``).
 
 ``GPT_PLAN`` (the default) converts ``zerolab.book.models.TinyGPT``: q, k, v
 and the MLP's ``fc`` column-wise, the attention's ``proj`` and the MLP's
@@ -35,7 +38,8 @@ column-wise, o and down row-wise, the embedding and the head (tied or not) by
 vocabulary. Grouped-query attention splits its key/value heads like its query
 heads: a rank keeps ``num_attention_heads/tp`` query and ``num_key_value_heads/tp``
 key/value heads, so ``num_key_value_groups`` (their ratio) is unchanged; the
-attention reshapes by ``head_dim`` (-1 heads), RoPE and RMSNorm stay whole. Take
+attention reshapes by ``head_dim`` (-1 heads), RoPE and RMSNorm stay whole (Qwen3's per-head
+q_norm/k_norm too, their gradients summed over TP); Gemma 2's scaled embedding is split. Take
 the loss with ``vocab_parallel_cross_entropy`` (not the model's ``labels=``).
 
 ``tp_dims(model)`` lists each split parameter's dimension by name;
