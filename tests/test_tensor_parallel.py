@@ -181,14 +181,11 @@ def _hf_gpt2_worker():
     loss = vocab_parallel_cross_entropy(logits[:, :-1], x[:, 1:], mesh)
     loss.backward()
     dims = tp_dims(model)
+    # Conv1D weights are stored (in, out), the converted layers hold (out, in): gather_tp gives the original's
     grads = gather_tp({n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}, dims, mesh)
-    conv = {n for n, m in plain.named_modules() if type(m).__name__ == "Conv1D"}
-
-    def as_plain(name, t):   # Conv1D weights are stored (in, out); the converted layers hold (out, in)
-        return t.t() if name.rsplit(".", 1)[0] in conv and name.endswith(".weight") else t
     attn = model.transformer.h[0].attn
     return {"logits": close(logits, piece(ref_logits.detach(), -1, mesh)), "loss": close(loss, ref_loss.detach()),
-            "grads": {n: close(as_plain(n, grads[n]), p.grad) for n, p in
+            "grads": {n: close(grads[n], p.grad) for n, p in
                       plain.named_parameters(remove_duplicate=False)},
             "heads": (attn.num_heads, attn.split_size), "tied": model.lm_head.weight is model.transformer.wte.weight,
             "qkv_dims": dims["transformer.h.0.attn.c_attn.weight"]}

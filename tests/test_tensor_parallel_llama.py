@@ -22,8 +22,9 @@ SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
 
 def build(family="llama", seed=0, **over):
     import transformers
-    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
-    config = getattr(transformers, f"{name}Config")(**{**SMALL, **over})
+    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    more = {"head_dim": 8} if family == "qwen3" else {}   # Qwen3: per-head q_norm/k_norm inside the split
+    config = getattr(transformers, f"{name}Config")(**{**SMALL, **more, **over})
     torch.manual_seed(seed)
     return getattr(transformers, f"{name}ForCausalLM")(config)
 
@@ -76,7 +77,7 @@ def _equal_worker(cases):
 # the last: 8 query and 4 key/value heads of head_dim 4, so each rank holds 2 key/value heads, each shared
 # by 2 of its 4 query heads
 CASES = [("llama", False, "eager", 70, {}), ("llama", True, "sdpa", None, {}), ("mistral", False, "sdpa", None, {}),
-         ("qwen2", True, "eager", None, {}), ("llama", False, "eager", None, dict(num_attention_heads=8,
+         ("qwen2", True, "eager", None, {}), ("qwen3", False, "eager", None, {}), ("llama", False, "eager", None, dict(num_attention_heads=8,
                                                                                   num_key_value_heads=4))]
 
 
@@ -98,7 +99,8 @@ def test_hf_llama_converted_matches_plain():
 
 STEPS, ROWS, DP = 3, 2, 2   # ROWS sequences per DP rank and step
 ADAMW = {"lr": 2e-3, "weight_decay": 0.01, "eps": 1e-6}
-TRAIN = [(1, False, 0.0), (3, True, 0.0), (2, False, 0.3)]   # (ZeRO stage, tied head, gradient clipping)
+# (ZeRO stage, tied head, gradient clipping, family); Qwen3: q_norm/k_norm's gradients all-reduced over TP
+TRAIN = [(1, False, 0.0, "llama"), (3, True, 0.0, "llama"), (2, False, 0.3, "llama"), (2, False, 0.0, "qwen3")]
 
 
 def data(step):
@@ -106,9 +108,9 @@ def data(step):
     return torch.randint(0, 128, (DP * ROWS, 16), generator=g), torch.randint(0, 128, (DP * ROWS, 16), generator=g)
 
 
-def reference(tie, clip):
+def reference(tie, clip, family="llama"):
     """Single process, torch.optim.AdamW(fused=True), the unsplit model, the whole global batch at once."""
-    model = build(tie_word_embeddings=tie)
+    model = build(family, tie_word_embeddings=tie)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
     clipped = 0
     for step in range(STEPS):
@@ -125,8 +127,8 @@ def reference(tie, clip):
 def _train_worker(cases):
     mesh = zl.mesh(dp=DP, tp=2)
     out = []
-    for stage, tie, clip in cases:
-        model = tensor_parallel(build(tie_word_embeddings=tie), mesh, HF_LLAMA_PLAN)
+    for stage, tie, clip, family in cases:
+        model = tensor_parallel(build(family, tie_word_embeddings=tie), mesh, HF_LLAMA_PLAN)
         dims = tp_dims(model)
         engine = zl.initialize(model, {"optimizer": {"type": "AdamW", "params": ADAMW}, "gradient_clipping": clip,
                                        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
@@ -147,10 +149,10 @@ def trained():
     return zl.launch(_train_worker, 2 * DP, args=(TRAIN,), timeout=300, threads=1)
 
 
-@pytest.mark.parametrize("ci", range(len(TRAIN)), ids=[f"stage{s}-tied{t}-clip{c}" for s, t, c in TRAIN])
+@pytest.mark.parametrize("ci", range(len(TRAIN)), ids=[f"stage{s}-tied{t}-clip{c}-{f}" for s, t, c, f in TRAIN])
 def test_tp2_dp2_llama_trains_like_single_process(trained, ci):
-    stage, tie, clip = TRAIN[ci]
-    want = reference(tie, clip)
+    stage, tie, clip, family = TRAIN[ci]
+    want = reference(tie, clip, family)
     got = trained[0][ci]
     assert set(got) <= set(want) and set(want) - set(got) <= ({"lm_head.weight"} if tie else set()), \
         sorted(set(got) ^ set(want))

@@ -50,6 +50,7 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None, me
     model), cut here into this rank's stage (``pipeline_stage``; a stage already cut is kept),
     a weight tied between the first and the last stage synchronised over the embedding group.
     """
+    _check_tp_mesh(model, mesh)
     cfg = Config.from_any(config)
     if link is not None:  # a simulated link (zerolab.theory.network) for this engine only
         cfg = dataclasses.replace(cfg, link=link)
@@ -125,6 +126,22 @@ class ModelSnapshot:
                 p._post_accumulate_grad_hooks.update(grad_hooks)
         for b, value in self.buffer_values:
             b.copy_(value)
+
+
+def _check_tp_mesh(model, mesh) -> None:
+    """A tensor-parallel model (``zl.tensor_parallel``: its layers hold different slices on each TP rank) needs
+    the mesh it was converted over: without it every rank would be a DP replica, rank 0's slices broadcast
+    over the others'. Read by duck typing (a layer's ``tp_dims`` and TP communicator)."""
+    if not isinstance(model, nn.Module):
+        return
+    for name, m in model.named_modules():
+        tp = getattr(getattr(m, "comm", None), "world_size", 1) if getattr(m, "tp_dims", None) else 1
+        if tp > 1 and mesh is None:
+            raise ValueError(f"{name!r} is a tensor-parallel layer ({type(m).__name__}, tp={tp}): a model converted "
+                             f"by zl.tensor_parallel needs zl.initialize(model, config, mesh=mesh) with the mesh it "
+                             f"was converted over (without it the TP ranks would be trained as DP replicas)")
+        if tp > 1 and mesh.tp != tp:
+            raise ValueError(f"{name!r} is a tensor-parallel layer over tp={tp}, but the mesh has tp={mesh.tp}")
 
 
 def _check_supported(model: nn.Module, cfg) -> None:

@@ -8,17 +8,22 @@ cross-entropy), ``layers`` (column- and row-parallel linear layers, the
 vocabulary-parallel embedding), ``sequence`` (sequence parallelism wired into
 a converted model), ``plan`` (``tensor_parallel``: a plan of
 globs over module names; ``tp_dims`` / ``gather_tp``: the full state back),
+``check`` (the conversion checked against the plain model), ``regions`` (whole parameters
+inside a split region: their gradients all-reduced over TP), ``rng`` (the dropout RNG tracker),
+``cross_entropy`` (the loss over vocabulary-split logits),
 ``pipeline`` (``pipeline_stage``, the GPipe and 1F1B schedules, ``train_batch``).
 """
+from zerolab.parallel.check import TensorParallelCheckError
 from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerolab.parallel.ops import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
                                   reduce_scatter_to_sequence, scatter_to_sequence, vocab_parallel_cross_entropy)
 from zerolab.parallel.pipeline import pipeline_stage, schedule, split_blocks, train_batch
+from zerolab.parallel.regions import replicated_in_split_params
 from zerolab.parallel.sequence import sequence_parallel_params
 from zerolab.parallel.plan import (GPT_PLAN, GPT_SP_PLAN, HF_GPT2_PLAN, HF_LLAMA_PLAN, gather_3d, gather_tp,
                                    tensor_parallel, tp_dims)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_tp", "reduce_from_tp",
+__all__ = ["TensorParallelCheckError", "replicated_in_split_params", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "copy_to_tp", "reduce_from_tp",
            "gather_from_tp", "vocab_parallel_cross_entropy", "gather_from_sequence", "reduce_scatter_to_sequence",
            "scatter_to_sequence", "sequence_parallel_params", "GPT_SP_PLAN", "GPT_PLAN", "HF_GPT2_PLAN",
            "HF_LLAMA_PLAN", "tensor_parallel", "tp_dims", "gather_tp", "gather_3d",

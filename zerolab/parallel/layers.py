@@ -11,7 +11,8 @@
 * ``VocabParallelEmbedding``: the embedding table split by vocabulary rows;
   a token outside this rank's rows looks up zeros, and g sums the ranks'
   rows into the full embedding. A ``padding_idx`` row gets no gradient, as
-  in ``nn.Embedding`` (on the rank that holds it).
+  in ``nn.Embedding`` (on the rank that holds it). Gemma's scaled embedding
+  (an ``embed_scale`` buffer) multiplies the lookup by it, as the original.
 
 Each layer records which dimension of each parameter is split in
 ``tp_dims`` (``{"weight": (dim, parts), ...}``; parts > 1 for a fused
@@ -158,6 +159,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start = comm.rank * self.num_embeddings
         self.weight = _split_param(emb.weight, 0, comm, memo)
         # the padding row (its gradient always zero, as nn.Embedding's): on the rank that holds it, local index
+        scale = getattr(emb, "embed_scale", None)   # Gemma's scaled embedding: the lookup times embed_scale
+        self.register_buffer("embed_scale", None if scale is None else scale.detach().clone(), persistent=False)
         pad = emb.padding_idx
         self.padding_idx = pad - self.start if pad is not None and 0 <= pad - self.start < self.num_embeddings else None
 
@@ -165,10 +168,17 @@ class VocabParallelEmbedding(nn.Module):
         return {"weight": (self.num_embeddings, self.embedding_dim)}
 
     def forward(self, idx):
+        full = self.num_embeddings * self.comm.world_size   # ids are the same on every TP rank: all raise alike
+        if bool(((idx < 0) | (idx >= full)).any()):
+            bad = idx[(idx < 0) | (idx >= full)]
+            raise IndexError(f"{self.tp_name}: token id {bad[0].item()} out of range [0, {full}) (the vocabulary "
+                             f"of the embedding; {bad.numel()} such id(s)), as nn.Embedding refuses it")
         local = idx - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
         out = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.embed_scale is not None:
+            out = out * self.embed_scale.to(out.dtype)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.comm, self.tp_name)
         return reduce_from_tp(out, self.comm)

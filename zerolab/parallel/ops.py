@@ -15,10 +15,8 @@ elements) in forward (g) and one in backward (f). ``gather`` (all-gather
 along the last dimension; backward: keep this rank's slice) gives a
 column-parallel layer's full output when a later layer needs it whole.
 
-``vocab_parallel_cross_entropy``: the loss over logits split along the
-vocabulary without gathering them — the max, the target's logit and the sum
-of exponentials are each all-reduced over the TP group (3 small all-reduces of
-b·s elements instead of an all-gather of b·s·V).
+``vocab_parallel_cross_entropy`` (``cross_entropy.py``, re-exported here): the
+loss over logits split along the vocabulary without gathering them.
 
 Sequence parallelism (Korthikanti et al. 2022, Megatron-LM): between the TP
 regions the activations are split along the sequence (dimension ``SEQ`` = -2:
@@ -39,6 +37,8 @@ books it under ``group="tp"``.
 from __future__ import annotations
 
 import torch
+
+from zerolab.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401  (re-exported)
 
 
 class CopyToTP(torch.autograd.Function):
@@ -181,44 +181,3 @@ def reduce_from_tp(x, comm):
 def gather_from_tp(x, comm):
     """The full last dimension from every TP rank's slice."""
     return GatherFromTP.apply(x, comm) if comm.world_size > 1 else x
-
-
-class VocabParallelCE(torch.autograd.Function):
-    """Per-token cross-entropy of logits split along the vocabulary (this rank: columns
-    ``start .. start + V/tp``). Backward: softmax minus the one-hot target, this rank's columns."""
-
-    @staticmethod
-    def forward(ctx, logits, target, comm, start):
-        v = logits.shape[-1]
-        m = logits.detach().max(dim=-1).values
-        comm.all_reduce(m, op="max", tag="tp-ce-max")
-        z = logits - m.unsqueeze(-1)
-        local = target - start
-        mine = (local >= 0) & (local < v)
-        local = local.clamp(0, v - 1)
-        picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
-        comm.all_reduce(picked, tag="tp-ce-target")
-        e = z.exp()
-        total = e.sum(dim=-1)
-        comm.all_reduce(total, tag="tp-ce-sum")
-        ctx.save_for_backward(e.div_(total.unsqueeze(-1)), local, mine)
-        return total.log() - picked
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local, mine = ctx.saved_tensors
-        g = softmax.clone()
-        g.scatter_add_(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(g.dtype))
-        return g * grad.unsqueeze(-1), None, None, None
-
-
-def vocab_parallel_cross_entropy(logits, target, mesh_or_comm):
-    """Mean cross-entropy of ``logits`` (..., V/tp) — this TP rank's slice of the vocabulary, as a
-    column-parallel head gives it — against ``target`` (...) token ids in the full vocabulary;
-    equals ``F.cross_entropy`` over the gathered logits. ``mesh_or_comm``: a ``zl.mesh`` (its TP
-    group) or a TP ``Communicator``."""
-    comm = mesh_or_comm.communicator("tp") if hasattr(mesh_or_comm, "communicator") else mesh_or_comm
-    v = logits.shape[-1]
-    logits = logits.float()
-    target = target.reshape(logits.shape[:-1])
-    return VocabParallelCE.apply(logits, target, comm, comm.rank * v).mean()

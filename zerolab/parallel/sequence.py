@@ -73,7 +73,8 @@ def wire(model, comm, heads: dict, sequence_modules: list) -> list:
         whole |= {id(p) for p in m.parameters()}
     marked, seen = [], set()
     for name, p in model.named_parameters():
-        if id(p) in seen or id(p) in whole or getattr(p, "tensor_parallel", False) or not p.requires_grad:
+        if id(p) in seen or id(p) in whole or getattr(p, "tensor_parallel", False) or not p.requires_grad or \
+                getattr(p, "replicated_in_split", False):   # already all-reduced over TP (regions.py)
             continue
         seen.add(id(p))
         p.sequence_parallel = True

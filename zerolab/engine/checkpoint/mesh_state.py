@@ -12,7 +12,8 @@ the engine never imports ``zerolab.parallel``.
 coordinates; ``merge(descriptions, tp)``: the whole model, ``{name: {"shape":
 full shape, "tp_split": [dim, parts] | None, "pp_stage": s}}``.
 ``full_state_dict(engine)``: the DP gather (``state.py``), then each split
-tensor all-gathered over the TP group and joined along its dimension, then
+tensor all-gathered over the TP group and joined along its dimension (a
+weight converted from GPT-2's ``Conv1D`` transposed back: ``transposed``), then
 the PP stages' dicts merged (an all-gather of objects over the PP group, not
 booked in the ledger): the original names and full shapes, as before
 ``tensor_parallel`` and ``pipeline_stage``.
@@ -49,6 +50,13 @@ def split_dims(module) -> dict:
             if getattr(m, pname, None) is not None:
                 out[f"{mname}.{pname}".lstrip(".")] = tuple(dim)
     return out
+
+
+def transposed(module) -> set:
+    """Names of the weights a tensor-parallel layer holds transposed from the original model's layout (a
+    layer's ``tp_transposed``: Hugging Face GPT-2's ``Conv1D``, in x out, held as an ``nn.Linear``'s out x in)."""
+    return {f"{mname}.weight".lstrip(".") for mname, m in module.named_modules(remove_duplicate=False)
+            if getattr(m, "tp_transposed", False) and getattr(m, "weight", None) is not None}
 
 
 def unshard(pieces: list, dim: int, parts: int = 1) -> torch.Tensor:
@@ -113,13 +121,15 @@ def full_state_dict(engine, rank0_only: bool = False) -> dict | None:
     mesh = engine.mesh
     sd = consolidated_state_dict(engine, rank0_only)   # whole over DP; None off DP rank 0 with rank0_only
     if sd is not None:   # with rank0_only: the DP-rank-0 ranks, whose TP and PP groups are all DP rank 0
-        dims, comm = split_dims(engine.module), mesh.communicator("tp")
+        dims, comm, flip = split_dims(engine.module), mesh.communicator("tp"), transposed(engine.module)
         for name, t in sd.items():
             if name in dims and mesh.tp > 1:
                 t = t.contiguous()
                 full = torch.empty(mesh.tp * t.numel(), dtype=t.dtype, device=t.device)
                 comm.all_gather(full, t.view(-1), tag="tp-state")
                 sd[name] = unshard(list(full.view(mesh.tp, *t.shape).unbind(0)), *dims[name])
+            if name in flip and sd[name].dim() == 2 and mesh.tp > 1:   # back to the original layout (GPT-2's Conv1D)
+                sd[name] = sd[name].t().contiguous()
         if mesh.pp > 1:
             parts = [None] * mesh.pp
             dist.all_gather_object(parts, sd, group=mesh.group("pp"))
