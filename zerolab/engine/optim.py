@@ -29,9 +29,9 @@ alone and its own step count t falls one behind (``skip_now``, ``skipped``;
 the engine decides which, ``unused.py``). A parameter used on some ranks only
 is stepped with the mean over all ranks, the others counting zero, as in DDP.
 
-Our "adam" is torch.optim.Adam (L2 weight decay, default 0). DeepSpeed's
-"Adam" is AdamW with weight decay unless ``adam_w_mode: false``; the config
-maps ``adam_w_mode: true`` to "adamw" and says so in ``Config.notes``.
+Our "adam" is torch.optim.Adam (L2 weight decay, default 0). A config's
+"Adam" is DeepSpeed's: AdamW unless ``adam_w_mode: false``; the config reader
+maps it to "adamw" and says so in ``Config.notes``.
 
 Clipping uses the global norm over all ranks' shards: each rank sums the
 squares of its shard and one all-reduce adds them (``clip_coefficient``).
