@@ -58,6 +58,9 @@ class DeepSpeedEngine(StepReports):
         self._after_step()
         if self.was_step_applied() and not isinstance(self.lr_scheduler, DeepSpeedScheduler) and \
                 self.lr_scheduler is not None:
+            holder = getattr(self.lr_scheduler, "optimizer", None)
+            if holder is not None:   # the engine stepped for it (torch warns of a scheduler stepped before its optimizer)
+                holder._opt_called = True
             self.lr_scheduler.step()   # a client scheduler: after each applied optimizer step, as DeepSpeed
 
     def destroy(self):
