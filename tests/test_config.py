@@ -179,8 +179,12 @@ def test_ignored_keys_and_notes():
     assert c.optimizer.type == "adamw" and c.optimizer.params == {"weight_decay": 0.01}   # torch_adam: torch's AdamW
     assert any("adam_w_mode" in n for n in c.notes)
     plain = parse({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}})
-    assert plain.optimizer.type == "adam" and plain.optimizer.params["betas"] == (0.9, 0.95)
-    assert any("torch.optim.Adam" in n for n in plain.notes)
+    assert plain.optimizer.type == "adamw" and plain.optimizer.params["betas"] == (0.9, 0.95)   # DeepSpeed's "Adam"
+    assert any("AdamW" in n for n in plain.notes)
+    l2 = parse({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1, "adam_w_mode": False}}})
+    assert l2.optimizer.type == "adam" and any("torch.optim.Adam" in n for n in l2.notes)
+    with pytest.raises(ConfigError, match="adam_w_mode"):
+        parse({"optimizer": {"type": "Adam", "params": {"adam_w_mode": "no"}}})
     assert parse({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}).optimizer.type == "sgd"
 
 

@@ -205,7 +205,7 @@ def _model():
     (lambda m: {"optimizer": lambda params: torch.optim.Adagrad(params)}, NotImplementedError, "Adagrad"),
     (lambda m: {"optimizer": torch.optim.Adam(m.parameters(), amsgrad=True)}, NotImplementedError, "amsgrad"),
     (lambda m: {"lr_scheduler": torch.optim.lr_scheduler.StepLR(torch.optim.SGD(m.parameters(), lr=0.1), 1)},
-     NotImplementedError, r"lr_scheduler=<StepLR>.*\"scheduler\""),
+     ValueError, r"lr_scheduler=<StepLR>.*different optimizer"),
     (lambda m: {"config": None}, ValueError, "no config"),
     (lambda m: {"args": type("Args", (), {"deepspeed_config": "ds.json"})()}, ValueError, "both in args"),
     (lambda m: {"model": None}, ValueError, "requires a model"),
@@ -233,7 +233,8 @@ def test_client_optimizer_groups_become_the_config_and_model_parameters():
     model = _model()
     opt = torch.optim.Adam([{"params": model.fc1.parameters(), "weight_decay": 0.1},
                             {"params": model.fc2.parameters(), "lr": 0.5}], lr=0.01, betas=(0.8, 0.9))
-    section, groups = read_client_optimizer(opt, None, model)
+    section, groups, holder = read_client_optimizer(opt, None, model)
+    assert holder is opt   # its param_groups hold the learning rates a client scheduler sets
     assert section == {"type": "Adam", "params": {"lr": 0.01, "betas": [0.8, 0.9], "eps": 1e-8, "weight_decay": 0,
                                                   "adam_w_mode": False}}
     assert [{k: v for k, v in g.items() if k != "params"} for g in groups] == [{"weight_decay": 0.1}, {"lr": 0.5}]

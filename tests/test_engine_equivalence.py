@@ -54,7 +54,10 @@ def reference(case, n):
     gas = cfg.get("gradient_accumulation_steps", 1)
     o = cfg["optimizer"]
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[o["type"]](params, **o["params"])
+    hyper = {"weight_decay": 0.0, **o["params"]}   # DeepSpeed's defaults; its "Adam" is AdamW unless adam_w_mode false
+    kind = "Adam (L2)" if o["type"] == "Adam" and not hyper.pop("adam_w_mode", True) else o["type"]
+    opt = {"Adam": torch.optim.AdamW, "Adam (L2)": torch.optim.Adam, "AdamW": torch.optim.AdamW,
+           "SGD": torch.optim.SGD}[kind](params, **hyper)
     clipped = 0
     for step in range(STEPS):
         x, y = synthetic_batch(model, n * gas * MBS, seed=7, step=step)
@@ -93,7 +96,7 @@ def run_cases(cases):
 
 def fp32_cases():
     cases = []
-    adam = {"type": "Adam", "params": {"lr": 3e-3, "weight_decay": 0.01}}
+    adam = {"type": "Adam", "params": {"lr": 3e-3, "weight_decay": 0.01, "adam_w_mode": False}}   # L2: torch.optim.Adam
     adamw = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}
     sgd = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}}
     sched = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 5e-3,

@@ -60,7 +60,7 @@ def stage3(prefetch, **zero):
 
 
 def fp32_cases():
-    adam = {"type": "Adam", "params": {"lr": 3e-3, "weight_decay": 0.01}}
+    adam = {"type": "Adam", "params": {"lr": 3e-3, "weight_decay": 0.01, "adam_w_mode": False}}   # L2: torch.optim.Adam
     adamw = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}
     sgd = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}}
     cases = []

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from zerolab.config import Config
+from zerolab.config.optimizer import OPTIMIZER_DEFAULTS
 from zerolab.engine import events as ev
 from zerolab.runtime.measure import settled_census
 from zerolab.book.models import TinyGPT, loss_fn, synthetic_batch
@@ -149,9 +151,9 @@ def reference(config, world_size, preset="micro", steps=3, batch_per_rank=2, see
     """One process, plain ``torch.optim``, each optimizer step on the whole global batch
     (N ranks x g micro-batches x B rows): the parameters N-rank training must reach."""
     model = make_model(preset, model_seed, key_bias)
-    o = config["optimizer"]
-    kind = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[o["type"].lower()]
-    opt = kind(model.parameters(), **o.get("params", {}))
+    o = Config.from_deepspeed({"optimizer": config["optimizer"]}).optimizer   # "Adam": AdamW, as DeepSpeed's
+    kind = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[o.type]
+    opt = kind(model.parameters(), **{**OPTIMIZER_DEFAULTS[o.type], **o.params})
     gas = config.get("gradient_accumulation_steps", 1)
     clip = config.get("gradient_clipping", 0.0)
     for step in range(steps):

@@ -56,8 +56,6 @@ WHY = {
     "gradient_clipping": "zerolab keeps 0 (off): a default that clips changes the update silently, and the "
                          "chapters compare the engines with plain torch training, which does not clip; write "
                          "\"gradient_clipping\": 1.0 to match DeepSpeed 0.19",
-    "optimizer.type \"Adam\"": "\"Adam\" means torch.optim.Adam (L2 decay) here, as in PyTorch; write \"AdamW\" "
-                               "or \"adam_w_mode\": true for DeepSpeed's behaviour (a note in Config.notes says so)",
 }
 
 
@@ -67,7 +65,8 @@ def zerolab_defaults() -> dict:
     adam, adamw = OPTIMIZER_DEFAULTS["adam"], OPTIMIZER_DEFAULTS["adamw"]
     out = {"gradient_clipping": c.gradient_clipping,
            "gradient_accumulation_steps": c.gradient_accumulation_steps,
-           "optimizer.type \"Adam\"": "Adam (torch.optim.Adam)",
+           "optimizer.type \"Adam\"": {"adamw": "AdamW (adam_w_mode true)", "adam": "Adam (L2)"}[
+               Config.from_deepspeed({"optimizer": {"type": "Adam"}}).optimizer.type],
            "optimizer.params.lr": adam["lr"], "optimizer.params.betas": adam["betas"],
            "optimizer.params.eps": adam["eps"],
            "optimizer.params.weight_decay (Adam, AdamW)": adamw["weight_decay"] if adam["weight_decay"] ==

@@ -5,6 +5,8 @@ here against what the engine's optimizer (``zerolab.engine.optim``) and
 schedules accept, so a typo fails when the config is read, not at the first step.
 Defaults (``OPTIMIZER_DEFAULTS``) are DeepSpeed's: weight decay 0 for Adam and
 AdamW, torch.optim.AdamW's 0.01 with ``"torch_adam": true`` (as DeepSpeed).
+``"type": "Adam"`` means what it means in DeepSpeed: AdamW (decoupled weight
+decay) unless ``"adam_w_mode": false`` (then torch.optim.Adam, L2 decay).
 """
 from __future__ import annotations
 
@@ -67,12 +69,14 @@ def read_optimizer(raw, notes: list, ignored: list) -> OptimizerConfig:
             ignored.append(f"optimizer.params.{k}")
     torch_adam = params.pop("torch_adam", False)
     w_mode = params.pop("adam_w_mode", None)
-    if typ == "adam" and w_mode is True:
+    if w_mode is not None and not isinstance(w_mode, bool):
+        raise ConfigError(f"optimizer.params.adam_w_mode: expected true or false, got {w_mode!r}")
+    if typ == "adam" and w_mode is not False:   # DeepSpeed: "Adam" is AdamW unless adam_w_mode is false
         typ = "adamw"
-        notes.append("optimizer: DeepSpeed 'Adam' with adam_w_mode true is AdamW (decoupled weight decay); using adamw")
-    elif typ == "adam" and w_mode is None:
-        notes.append("optimizer: 'Adam' here is torch.optim.Adam (L2 weight decay); DeepSpeed's 'Adam' defaults "
-                     "to AdamW mode -- write \"AdamW\" or \"adam_w_mode\": true to match it")
+        notes.append("optimizer: 'Adam' is AdamW (decoupled weight decay), as DeepSpeed's adam_w_mode defaults to "
+                     "true; \"adam_w_mode\": false gives torch.optim.Adam (L2 weight decay)")
+    elif typ == "adam":
+        notes.append("optimizer: 'Adam' with adam_w_mode false is torch.optim.Adam (L2 weight decay)")
     if torch_adam is True and typ == "adamw" and "weight_decay" not in params:   # torch.optim.AdamW's default
         params["weight_decay"] = TORCH_ADAMW_WEIGHT_DECAY
     check_optimizer_params(typ, params)

@@ -6,9 +6,9 @@ they can honour a client optimizer only when they can *read* it: an unused
 ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (or a callable returning one, as
 DeepSpeed accepts) becomes the config's ``"optimizer"`` section, and its
 parameter groups become ``model_parameters`` (per-group ``lr``,
-``weight_decay``...). Anything else is refused with an error naming it. A
-client learning-rate scheduler object is refused too: the engine computes the
-learning rate from its own step count and the config's ``"scheduler"``.
+``weight_decay``...). Anything else is refused with an error naming it. The
+optimizer object stays the holder of the learning rates a client scheduler
+writes (``schedules.py``).
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def _plain(v):
 
 
 def read_client_optimizer(optimizer, model_parameters, model):
-    """``(config "optimizer" section, parameter groups)`` for ``optimizer=`` of ``deepspeed.initialize``."""
+    """``(config "optimizer" section, parameter groups, the torch optimizer)`` for ``optimizer=`` of
+    ``deepspeed.initialize`` (a callable is called; its optimizer holds the learning rates a client scheduler sets)."""
     if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
         # DeepSpeedOptimizerCallable: called with model_parameters (without them DeepSpeed passes None
         # and torch fails; here the model's trainable parameters)
@@ -36,6 +37,9 @@ def read_client_optimizer(optimizer, model_parameters, model):
             model_parameters = [p for p in model.parameters() if p.requires_grad]
         optimizer = optimizer(model_parameters)
     name = CLIENT_OPTIMIZERS.get(type(optimizer))
+    if name is None and type(optimizer).__name__ in ("FusedAdam", "DeepSpeedCPUAdam") and \
+            type(optimizer).__module__.startswith("zerolab."):
+        name = "AdamW" if optimizer.adam_w_mode else "Adam"   # deepspeed.ops.adam's, as zerolab gives them
     if name is None:
         what = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         raise NotImplementedError(
@@ -63,12 +67,4 @@ def read_client_optimizer(optimizer, model_parameters, model):
             continue   # DeepSpeed drops empty groups too
         over = {k: _plain(g[k]) for k in OPTIMIZER_PARAMS[key] if k in g and _plain(g[k]) != params.get(k)}
         groups.append({"params": list(g["params"]), **over})
-    return {"type": name, "params": params}, groups
-
-
-def refuse_client_scheduler(lr_scheduler) -> None:
-    if lr_scheduler is not None:
-        raise NotImplementedError(
-            f"deepspeed.initialize(lr_scheduler=<{type(lr_scheduler).__name__}>): zerolab's engine computes the "
-            f"learning rate from its own optimizer-step count and the config's \"scheduler\" section (WarmupLR, "
-            f"WarmupDecayLR); a client scheduler object cannot drive it. Put the schedule in the config")
+    return {"type": name, "params": params}, groups, optimizer

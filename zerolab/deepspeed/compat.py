@@ -18,8 +18,17 @@ TABLE = [
     ("deepspeed.initialize(optimizer=...)", DIFFERS,
      "an unused torch.optim Adam, AdamW or SGD (or a callable making one) is read into the config; other "
      "optimizers are refused: zerolab's engines keep the optimizer state themselves, sharded"),
-    ("deepspeed.initialize(lr_scheduler=...)", REFUSED,
-     "the engine computes the learning rate from its own step count and the config's \"scheduler\""),
+    ("deepspeed.initialize(lr_scheduler=...)", SUPPORTED,
+     "a torch scheduler on the client optimizer, or a callable given the optimizer (Accelerate's DummyScheduler, "
+     "the Trainer's linear warmup); stepped after each applied optimizer step; each group's lr read from the "
+     "optimizer's param_groups (with the config's optimizer, from a never-stepped torch optimizer of its kind)"),
+    ("config \"optimizer\": {\"type\": \"Adam\"}", SUPPORTED,
+     "AdamW (decoupled weight decay) unless \"adam_w_mode\": false, as DeepSpeed; in zl.initialize too"),
+    ("config \"scheduler\" with parameter groups of different lr", SUPPORTED,
+     "every group runs at the schedule's lr, as DeepSpeed's WarmupLR/WarmupDecayLR set it (zl.initialize keeps "
+     "scaling each group's own lr by the schedule)"),
+    ("the config's notes (keys accepted and ignored, meanings that differ)", DIFFERS,
+     "warned once by initialize on rank 0 (UserWarning); DeepSpeed logs its own messages"),
     ("deepspeed.initialize(mpu=..., mesh_param=...)", REFUSED,
      "Megatron-style model-parallel units; zerolab's tensor and pipeline parallelism is zerolab.parallel"),
     ("deepspeed.initialize(training_data=...)", SUPPORTED,
@@ -60,6 +69,27 @@ TABLE = [
      REFUSED, "not implemented (DeepSpeed refuses 'profile' too)"),
     ("engine(x) / engine.backward(loss) / engine.step()", SUPPORTED,
      "backward scales by 1/gradient_accumulation_steps; the step happens at the boundary"),
+    ("loss.backward() then engine.step()", DIFFERS,
+     "as DeepSpeed 0.19: hooks on engine(x)'s outputs start the engine's backward and divide by "
+     "gradient_accumulation_steps; stages 0-3 (DeepSpeed refuses fp32 stage 0); fp16 refused (the loss scale "
+     "needs engine.backward)"),
+    ("engine.destroy", SUPPORTED, "the engine's gradient hooks removed"),
+    ("deepspeed.accelerator.get_accelerator / set_accelerator", DIFFERS,
+     "CPU or the rank's CUDA device: device_name, set_device, current_device(_name), communication_backend_name, "
+     "is_bf16/fp16_supported, manual_seed, memory queries, synchronize...; only zerolab's two accelerators"),
+    ("deepspeed.get_accelerator", SUPPORTED, "the same object"),
+    ("deepspeed.utils.logger / log_dist", SUPPORTED, "the logger named DeepSpeed, INFO, to stdout"),
+    ("deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer", DIFFERS,
+     "groups come back as DeepSpeed returns them for a model without MoE layers; expert-parallel parameters "
+     "refused"),
+    ("deepspeed.moe.layer.MoE", REFUSED,
+     "no expert parallelism: build the experts as an ordinary module (ZeRO shards them) and mark the block "
+     "with set_z3_leaf_modules at stage 3"),
+    ("deepspeed.ops.adam.FusedAdam / DeepSpeedCPUAdam", DIFFERS,
+     "accepted as initialize(optimizer=...) (Accelerate's offload path builds DeepSpeedCPUAdam) and read into "
+     "the config; their own step() is refused: the engine updates"),
+    ("deepspeed.__version__ and importlib.metadata.version(\"deepspeed\") under zerolab-deepspeed", DIFFERS,
+     "0.19.8+zerolab: the release followed, marked as zerolab's"),
     ("engine.backward(retain_graph=True / scale_wrt_gas=False), engine.step(lr_kwargs=...)", REFUSED,
      "zerolab's backward always scales and frees the graph; the schedule sets the learning rate"),
     ("engine.train_batch(data_iter=None)", SUPPORTED,
@@ -84,8 +114,8 @@ TABLE = [
     ("engine.train_micro_batch_size_per_gpu / train_batch_size / gradient_accumulation_steps / "
      "zero_optimization_stage / gradient_clipping", SUPPORTED, "methods, as in DeepSpeed"),
     ("engine.save_checkpoint / load_checkpoint", DIFFERS,
-     "DeepSpeed's keywords and return values; save_latest=False, load_module_strict=False and custom_load_fn "
-     "are refused"),
+     "DeepSpeed's keywords and return values (and format=\"deepspeed\"); save_latest=False, "
+     "load_module_strict=False and custom_load_fn are refused"),
     ("engine.load_checkpoint(a folder DeepSpeed wrote)", SUPPORTED,
      "ZeRO-1/2/3, fp32 or bf16: weights, fp32 master, Adam moments and step, scheduler, client_state; at any "
      "world size and stage on zerolab's side (continuing equals DeepSpeed continuing; bf16 stage 3 within 2e-2: "
@@ -102,9 +132,13 @@ TABLE = [
      "zerolab already skips the reduction between accumulation boundaries (DeepSpeed refuses it at ZeRO-2/3 too)"),
     ("optimizer.step / state_dict / load_state_dict", REFUSED,
      "engine.step() updates; the state is sharded: engine.save_checkpoint / load_checkpoint"),
-    ("lr_scheduler.step", REFUSED, "the engine advances the schedule at each optimizer step, as DeepSpeed's does"),
-    ("the deepspeed launcher (deepspeed script.py)", REFUSED,
-     "use torchrun, python script.py (one rank) or zl.launch(fn, world_size=N)"),
+    ("lr_scheduler.step", REFUSED, "the config's schedule: the engine advances it at each optimizer step, as "
+     "DeepSpeed's does (a client scheduler is the client's object)"),
+    ("the deepspeed launcher (deepspeed script.py)", SUPPORTED,
+     "DeepSpeed's launcher runs a zerolab script (it only starts processes); zerolab-deepspeed / python -m "
+     "zerolab.deepspeed runs an unchanged `import deepspeed` script on zerolab: --num_gpus, --include/--exclude "
+     "localhost, --master_port/--master_addr, --module, --no_local_rank on torchrun; several nodes, other hosts "
+     "and --launcher refused"),
 ]
 
 BEGIN, END = "<!-- deepspeed-compat:begin (generated by zerolab.deepspeed.compat.markdown) -->", \

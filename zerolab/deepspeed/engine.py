@@ -14,6 +14,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from zerolab.deepspeed.reports import StepReports, reports_grad_norm
+from zerolab.deepspeed.torch_backward import hook_outputs
 
 
 def _refuse(call: str, instead: str):
@@ -31,7 +32,10 @@ class DeepSpeedEngine(StepReports):
 
     # ---------------------------------------------------------------- what scripts call every step
     def __call__(self, *inputs, **kwargs):
-        return self.engine(*inputs, **kwargs)
+        out = self.engine(*inputs, **kwargs)
+        if self.optimizer is not None:   # loss.backward() then engine.step() works too (torch_backward.py)
+            hook_outputs(self.engine, out)
+        return out
 
     forward = __call__
 
@@ -52,6 +56,16 @@ class DeepSpeedEngine(StepReports):
         self._before_step()
         self.engine.step()
         self._after_step()
+        if self.was_step_applied() and not isinstance(self.lr_scheduler, DeepSpeedScheduler) and \
+                self.lr_scheduler is not None:
+            holder = getattr(self.lr_scheduler, "optimizer", None)
+            if holder is not None:   # the engine stepped for it (torch warns of a scheduler stepped before its optimizer)
+                holder._opt_called = True
+            self.lr_scheduler.step()   # a client scheduler: after each applied optimizer step, as DeepSpeed
+
+    def destroy(self):
+        """DeepSpeed's: release what the engine holds beyond the model; here the gradient hooks go."""
+        self.engine.close()
 
     def _need_optimizer(self, call):
         if self.optimizer is None:   # DeepSpeed asserts the same
@@ -103,7 +117,7 @@ class DeepSpeedEngine(StepReports):
 
     def get_lr(self):
         """The learning rate of each parameter group, as DeepSpeed's list (zerolab's own ``get_lr`` is a float)."""
-        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+        return group_lrs(self.engine) if self.optimizer else []
 
     def get_mom(self):
         key = "momentum" if self.engine.config.optimizer.type == "sgd" else "betas"
@@ -145,6 +159,7 @@ class DeepSpeedEngine(StepReports):
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DeepSpeed's
                         exclude_frozen_parameters=False, format="zerolab"):
+        """DeepSpeed's keywords; ``format="deepspeed"`` writes DeepSpeed's own files (zerolab's engine)."""
         if not save_latest:
             _refuse("save_checkpoint(save_latest=False)", "zerolab always points `latest` at the newest tag")
         self.engine.save_checkpoint(save_dir, tag, dict(client_state or {}), exclude_frozen_parameters, format=format)
@@ -190,6 +205,11 @@ class DeepSpeedEngine(StepReports):
                              f"or the model")
 
 
+def group_lrs(engine) -> list[float]:
+    """Each parameter group's learning rate for the next step, as the engine's optimizer will apply it."""
+    return getattr(engine.optimizer, "math", engine.optimizer).group_lrs(engine.get_lr())
+
+
 class DeepSpeedOptimizer:
     """What ``deepspeed.initialize`` returns as ``optimizer``: live ``param_groups`` (lr, betas, ...);
     the update itself is ``engine.step()``, as in DeepSpeed."""
@@ -200,9 +220,7 @@ class DeepSpeedOptimizer:
     @property
     def param_groups(self):
         e = self.engine
-        opt, lr = e.optimizer, e.get_lr()
-        hypers = getattr(opt, "hypers", None) or opt.math.hypers   # ShardedOptimizer | offload's (its .math)
-        base = getattr(opt, "lr", lr)
+        hypers, lrs = getattr(e.optimizer, "math", e.optimizer).hypers, group_lrs(e)
         params = [list(e.module.parameters())] if len(hypers) == 1 else [[] for _ in hypers]
         if len(hypers) > 1:
             for p in e.module.parameters():
@@ -210,10 +228,10 @@ class DeepSpeedOptimizer:
                 if k is not None:
                     params[k].append(p)
         out = []
-        for h, ps in zip(hypers, params):   # a group's lr scales with the schedule (engine/optim.py's runs)
+        for h, ps, lr in zip(hypers, params, lrs):   # each group's lr for the next step (engine/optim.py)
             group = {k: v for k, v in vars(h).items() if k in ("weight_decay", "betas", "eps", "momentum",
                                                                "dampening", "nesterov")}
-            group.update(params=ps, lr=h.lr if lr == base else (lr * h.lr / base if base else lr))
+            group.update(params=ps, lr=lr)
             out.append(group)
         return out
 

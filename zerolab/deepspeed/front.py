@@ -23,11 +23,12 @@ from torch.utils.data import DistributedSampler
 
 from zerolab.config.schema import load_json
 from zerolab.deepspeed import comm
-from zerolab.deepspeed.client import read_client_optimizer, refuse_client_scheduler
+from zerolab.deepspeed.client import read_client_optimizer
 from zerolab.deepspeed.data import DeepSpeedDataLoader
 from zerolab.deepspeed.engine import DeepSpeedEngine
 from zerolab.deepspeed.pipe import PipelineModule
 from zerolab.deepspeed.pipe_engine import PipelineEngine
+from zerolab.deepspeed.schedules import lr_source, make_client_scheduler, rate_holder
 from zerolab.deepspeed.utils import RepeatingLoader
 from zerolab.deepspeed.zero import apply_pending_edits, register
 from zerolab.engine import initialize as zl_initialize
@@ -88,18 +89,34 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if not pipe and type(model).__name__ == "PipelineModule":
         raise TypeError("deepspeed.initialize(model=PipelineModule): this PipelineModule is DeepSpeed's own; build "
                         "it with zerolab.deepspeed.pipe.PipelineModule (the module the script imported deepspeed as)")
-    refuse_client_scheduler(lr_scheduler)
+    if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
+        model_parameters = [model_parameters] if isinstance(model_parameters, dict) else list(model_parameters)
     raw = _raw_config(args, config, config_params)
     drop_last = bool(raw.pop("dataloader_drop_last", False))
     has_optimizer = optimizer is not None or raw.get("optimizer") is not None
+    holder = None   # the torch optimizer whose param_groups hold the learning rates (a client's)
     if optimizer is not None:   # read (or refused) before any process group exists
         if raw.get("optimizer") is not None:
             warnings.warn("deepspeed.initialize: both optimizer= and the config's \"optimizer\" are given; the "
                           "client optimizer is used (as DeepSpeed does)", UserWarning, stacklevel=2)
-        raw["optimizer"], model_parameters = read_client_optimizer(optimizer, model_parameters, model)
+        raw["optimizer"], model_parameters, holder = read_client_optimizer(optimizer, model_parameters, model)
+    if lr_scheduler is not None and raw.get("scheduler") is not None:
+        raise ValueError("deepspeed.initialize: both lr_scheduler= and the config's \"scheduler\" are given; "
+                         "keep one")
+    if hasattr(lr_scheduler, "step"):   # an object: checked before any process group starts
+        make_client_scheduler(lr_scheduler, holder)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    engine = zl_initialize(model, raw, model_parameters=_groups(model, model_parameters),
-                           **({"mesh": model.mesh} if pipe else {}))
+    groups = _groups(model, model_parameters)
+    engine = zl_initialize(model, raw, model_parameters=groups, **({"mesh": model.mesh} if pipe else {}))
+    say_notes(engine)
+    math = getattr(engine.optimizer, "math", engine.optimizer)   # offload keeps torch's maths in .math
+    math.same_scheduled_lr = engine.scheduler is not None   # DeepSpeed's schedules set every group's lr
+    own_holder = lr_scheduler is not None and holder is None
+    if own_holder:
+        holder = rate_holder(engine.config.optimizer, model_parameters, model)
+    client_scheduler = make_client_scheduler(lr_scheduler, holder)
+    if holder is not None:   # a client optimizer's empty groups were dropped (client.py)
+        math.lr_source = lr_source(holder, [i for i, g in enumerate(holder.param_groups) if g["params"] or own_holder])
     register(engine)
     apply_pending_edits(engine)   # GatheredParameters(..., modifier_rank=r) edits to a meta-device model
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -123,7 +140,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         DeepSpeedEngine(engine, loader, local_rank, has_optimizer)
     if optimizer is not None:
         ds.__dict__["client_optimizer_name"] = raw["optimizer"]["type"]   # DeepSpeed: the client's class name
+    if client_scheduler is not None:
+        ds.__dict__["lr_scheduler"] = client_scheduler   # stepped by engine.step() after each applied step
     return ds, ds.optimizer, loader, ds.lr_scheduler
+
+
+def say_notes(engine) -> None:
+    """The config's notes (keys accepted and ignored, meanings that differ), once, on rank 0, as DeepSpeed warns."""
+    if engine.rank == 0:
+        for note in engine.config.notes:
+            warnings.warn(f"zerolab.deepspeed: {note}", UserWarning, stacklevel=3)
 
 
 def _groups(model, model_parameters):

@@ -1,8 +1,35 @@
 """``deepspeed.utils``: ``RepeatingLoader``, which restarts a loader whenever it runs out (DeepSpeed's, same
-behaviour), and ZeRO-3's leaf modules (``set_z3_leaf_modules``: a module gathered whole, chapter 6)."""
+behaviour), ZeRO-3's leaf modules (``set_z3_leaf_modules``: a module gathered whole, chapter 6), and
+DeepSpeed's ``logger`` (the logger named "DeepSpeed", INFO, to stdout) with ``log_dist``."""
 from __future__ import annotations
 
+import logging
+import sys
+
 from zerolab.engine.unit_order import set_leaf_modules
+
+
+def _make_logger() -> logging.Logger:
+    log = logging.getLogger("DeepSpeed")
+    if not log.handlers:   # one handler, as DeepSpeed's: the script's own logging setup is left alone
+        handler = logging.StreamHandler(stream=sys.stdout)
+        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:"
+                                               "%(funcName)s] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
+logger = _make_logger()
+
+
+def log_dist(message: str, ranks=None, level=logging.INFO) -> None:
+    """Log ``message`` on the listed ranks (None or [-1]: every rank), as DeepSpeed's ``log_dist``."""
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if ranks is None or -1 in ranks or rank in ranks:
+        logger.log(level, f"[Rank {rank}] {message}")
 
 
 def set_z3_leaf_modules(model, leaf_module_classes) -> list:

@@ -62,8 +62,7 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
         self.communicator = communicator or Communicator(link=cfg.link)   # one rank without torch.distributed
         self.rank, self.world_size = self.communicator.rank, self.communicator.world_size
         self.precision = precision_of(cfg)
-        self.gas = cfg.gradient_accumulation_steps
-        self.overlap_comm = bool(cfg.zero.overlap_comm)
+        self.gas, self.overlap_comm = cfg.gradient_accumulation_steps, bool(cfg.zero.overlap_comm)
         device = model_device(model)
         group_of, self.group_hypers = resolve_groups(model, model_parameters, cfg.optimizer.type,
                                                      cfg.optimizer.params)
@@ -159,9 +158,20 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
         return (self.micro_steps + 1) % self.gas == 0
 
     def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True) -> None:
-        """loss / gradient_accumulation_steps (x the fp16 loss scale), then autograd.
-        ``allreduce_gradients=False`` (the name DeepSpeed's ``backward`` once took), stages 0-1: at the
-        boundary the gradients stay local until ``allreduce_gradients()`` (accumulate.py)."""
+        """loss / gradient_accumulation_steps (x the fp16 loss scale), then autograd. ``allreduce_gradients=False``
+        (DeepSpeed's old name), stages 0-1: at the boundary gradients stay local until ``allreduce_gradients()``."""
+        self.begin_backward(allreduce_gradients)
+        factor = (self.scaler.scale if self.scaler else 1.0) / self.gas
+        try:
+            with traced(self, "backward"):
+                (loss.float() * factor if factor != 1.0 else loss).backward()
+        finally:
+            self._in_backward = False
+        self._end_of_backward()
+        drained(self)   # a traced run: what the end of backward waited for (trace.py)
+
+    def begin_backward(self, allreduce_gradients: bool = True) -> None:
+        """What precedes autograd; zerolab.deepspeed runs it too when a script calls loss.backward()."""
         if not allreduce_gradients and not self.keeps_full_grads:
             raise ValueError(f"backward(loss, allreduce_gradients=False): stage {self.stage} reduces each bucket in "
                              f"the backward, keeping a shard; deferring needs zero_optimization.stage 0 or 1")
@@ -173,17 +183,8 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
         self._reduced_unstepped = self._reducing and not self.reduce_every_micro_step
         self._reduce_deferred = boundary and not allreduce_gradients
         self.reset_buckets()
-        self._fired = set()
+        self._fired, self._in_backward = set(), True
         self.event(ev.BACKWARD_START)
-        factor = (self.scaler.scale if self.scaler else 1.0) / self.gas
-        self._in_backward = True
-        try:
-            with traced(self, "backward"):
-                (loss.float() * factor if factor != 1.0 else loss).backward()
-        finally:
-            self._in_backward = False
-        self._end_of_backward()
-        drained(self)   # a traced run: what the end of backward waited for (trace.py)
 
     def _grad_hook(self, p) -> None:
         if not self._in_backward:
@@ -216,8 +217,7 @@ class Engine(EngineAPI, SkipUnused, CallerReduces, GradientBuckets):
             return
         self.event(ev.STEP_START)
         self.agree_before_update()
-        self.last_grad_norm = None
-        grads = self.owned_grads()
+        self.last_grad_norm, grads = None, self.owned_grads()
         seen, self._seen = self._seen, set()
         if self.scaler is not None and self._overflow(grads):
             self.scaler.update(True)

@@ -29,9 +29,9 @@ alone and its own step count t falls one behind (``skip_now``, ``skipped``;
 the engine decides which, ``unused.py``). A parameter used on some ranks only
 is stepped with the mean over all ranks, the others counting zero, as in DDP.
 
-Our "adam" is torch.optim.Adam (L2 weight decay, default 0). DeepSpeed's
-"Adam" is AdamW with weight decay unless ``adam_w_mode: false``; the config
-maps ``adam_w_mode: true`` to "adamw" and says so in ``Config.notes``.
+Our "adam" is torch.optim.Adam (L2 weight decay, default 0). A config's
+"Adam" is DeepSpeed's: AdamW unless ``adam_w_mode: false``; the config reader
+maps it to "adamw" and says so in ``Config.notes``.
 
 Clipping uses the global norm over all ranks' shards: each rank sums the
 squares of its shard and one all-reduce adds them (``clip_coefficient``).
@@ -102,6 +102,7 @@ class ShardedOptimizer:
             self.momentum_buf = torch.zeros(n if momentum else 0, dtype=torch.float32, device=dev)
             self.state = [self.momentum_buf]
         self.step_count = 0
+        self.lr_source, self.same_scheduled_lr = None, False   # group_lrs: a client scheduler; DeepSpeed's rule
         # parameters without a gradient on any rank are not stepped, as in torch (engine/unused.py):
         self.param_spans = None   # per target: (start, end, parameter name), set by the engine
         self.skip_now = set()     # names to leave alone in this step
@@ -110,10 +111,10 @@ class ShardedOptimizer:
     def runs(self, i: int, a: int, b: int, lr: float):
         """The runs of elements [a, b) of target i: ``(start, end, hyper, lr, t)`` relative to a, one per
         parameter group (and, once a parameter has sat out a step, per parameter: its own step count t).
-        ``lr`` is the scheduled learning rate of the config's group; another group's scales with it."""
-        groups = [(0, b - a, self.hypers[0], lr)] if self.segments is None else [
-            (max(s, a) - a, min(e, b) - a, self.hypers[k],
-             self.hypers[k].lr if lr == self.lr else lr * self.hypers[k].lr / self.lr if self.lr else lr)
+        ``lr`` is the scheduled learning rate of the config's group; each group's is ``group_lrs(lr)``."""
+        lrs = self.group_lrs(lr)
+        groups = [(0, b - a, self.hypers[0], lrs[0])] if self.segments is None else [
+            (max(s, a) - a, min(e, b) - a, self.hypers[k], lrs[k])
             for s, e, k in self.segments[i] if max(s, a) < min(e, b)]
         if not (self.skip_now or self.skipped) or self.param_spans is None:
             for g in groups:
@@ -124,6 +125,17 @@ class ShardedOptimizer:
                 s, e = max(gs, ps - a), min(ge, pe - a)
                 if s < e and name not in self.skip_now:
                     yield s, e, h, lr_k, self.step_count - self.skipped.get(name, 0)
+
+    def group_lrs(self, lr: float) -> list[float]:
+        """Each parameter group's learning rate for a step whose scheduled rate is ``lr``: a client
+        scheduler's, read from its torch optimizer (``lr_source``); with ``same_scheduled_lr`` (DeepSpeed's
+        schedules write one lr into every group) ``lr`` for all; else each group's own lr scaled by the
+        schedule (lr / the config's lr)."""
+        if self.lr_source is not None:
+            return [float(x) for x in self.lr_source()]
+        if self.same_scheduled_lr:
+            return [lr] * len(self.hypers)
+        return [h.lr if lr == self.lr else lr * h.lr / self.lr if self.lr else lr for h in self.hypers]
 
     def begin_step(self) -> None:
         """Count the step; parameters sitting it out keep their own count (torch's per-parameter ``step``)."""

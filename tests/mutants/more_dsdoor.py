@@ -1,0 +1,37 @@
+"""Mutants of the DeepSpeed front door's compatibility work (zerolab/deepspeed/, config/optimizer.py)."""
+from mutants import Mutant
+
+DOOR = "tests/test_deepspeed_door.py"
+CONFIG = "tests/test_config.py::test_ignored_keys_and_notes"
+
+MUTANTS = [
+    Mutant("ds-adam-is-l2", "zerolab/config/optimizer.py",
+           'if typ == "adam" and w_mode is not False:',
+           'if typ == "adam" and w_mode is True:',
+           (CONFIG,), "DeepSpeed's \"Adam\" read as torch.optim.Adam (L2 weight decay) instead of AdamW"),
+    Mutant("ds-client-scheduler-not-stepped", "zerolab/deepspeed/engine.py",
+           "            self.lr_scheduler.step()   # a client scheduler: after each applied optimizer step, as DeepSpeed",
+           "            pass",
+           (f"{DOOR}::test_client_schedulers_drive_the_learning_rate",),
+           "a client LR scheduler is never stepped: the learning rate stays at its first value"),
+    Mutant("ds-torch-backward-no-reduction", "zerolab/deepspeed/torch_backward.py",
+           "        engine._end_of_backward()\n",
+           "        engine._seen |= engine._fired\n",
+           (f"{DOOR}::test_loss_backward_then_step_equals_engine_backward",),
+           "loss.backward() + engine.step() skips the end-of-backward reduction (buckets never flushed)"),
+    Mutant("ds-hook-leaks-into-parent", "zerolab/deepspeed/launch.py",
+           "    env = dict(os.environ if env is None else env)\n",
+           "    env = dict(os.environ if env is None else env)\n    __import__('zerolab.deepspeed.hook').deepspeed.hook.install()\n",
+           (f"{DOOR}::test_the_launcher_resolves_deepspeed_to_zerolab_in_the_ranks_only",),
+           "the import alias is installed in the launcher's own process (and so in whoever imports it)"),
+    Mutant("ds-groups-scaled-by-schedule", "zerolab/engine/optim.py",
+           "        if self.same_scheduled_lr:\n",
+           "        if False:\n",
+           (f"{DOOR}::test_every_group_runs_at_the_configs_schedule_as_deepspeed",),
+           "with the config's scheduler each group's own lr is scaled instead of set to the schedule's (DeepSpeed)"),
+    Mutant("ds-torch-backward-no-gas-scaling", "zerolab/deepspeed/torch_backward.py",
+           "        return grad / engine.gas if engine.gas > 1 else None",
+           "        return None",
+           (f"{DOOR}::test_loss_backward_then_step_equals_engine_backward",),
+           "loss.backward() does not divide by gradient_accumulation_steps as DeepSpeed's output hooks do"),
+]
