@@ -199,3 +199,16 @@ def test_hf_gpt2_converted_matches_plain():
         assert res["logits"] <= TOL and res["loss"] <= TOL, res
         bad = {k: v for k, v in res["grads"].items() if not v <= TOL}
         assert not bad, bad
+
+
+def test_split_memo_never_hands_a_freed_parameters_slice_to_another():
+    """The memo of split parameters is keyed by id(): a temporary (as_linear's transposed Conv1D weight) freed
+    before the next layer is split must not pass its id, and so its slice, on (GPT-2's mlp.c_proj once got
+    attn.c_proj's slice that way, now and then)."""
+    import torch
+    from torch import nn
+    from zerolab.parallel.layers import _split_param
+    from zerolab.runtime.comm import Communicator
+    comm, memo = Communicator(), {}
+    slices = [_split_param(nn.Parameter(torch.full((4, 2), float(k))), 0, comm, memo) for k in range(20)]
+    assert [float(s[0, 0]) for s in slices] == [float(k) for k in range(20)]

@@ -67,3 +67,9 @@ MUTANTS = [
            ("tests/test_tp_refusals.py::test_tp_model_needs_its_mesh",),
            "a tensor-parallel model trained without its mesh: TP ranks as DP replicas"),
 ]
+MUTANTS.append(Mutant(
+    "tp-split-memo-by-freed-id", "zerolab/parallel/layers.py",
+    "        memo[key] = (p, piece)\n    return memo[key][1]",
+    "        memo[key] = (None, piece)\n    return memo[key][1]",
+    ("tests/test_tensor_parallel.py::test_split_memo_never_hands_a_freed_parameters_slice_to_another",),
+    "the split memo keyed by id() forgets the parameter: a freed temporary's id, and slice, goes to the next"))

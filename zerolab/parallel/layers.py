@@ -54,10 +54,11 @@ def _split_param(p, dim, comm, memo, parts=1):
     """The slice of parameter ``p`` along ``dim`` as a new Parameter; one parameter used twice (a
     tied weight) split the same way becomes one Parameter again (``memo``)."""
     key = (id(p), dim, parts)
-    if key not in memo:
-        memo[key] = nn.Parameter(shard(p, dim, comm, parts), requires_grad=p.requires_grad)
-        memo[key].tensor_parallel = True   # a slice, different on each TP rank (the engine's norm counts each)
-    return memo[key]
+    if key not in memo:   # the memo keeps ``p`` alive: a freed temporary (as_linear's) must not pass its id on
+        piece = nn.Parameter(shard(p, dim, comm, parts), requires_grad=p.requires_grad)
+        piece.tensor_parallel = True   # a slice, different on each TP rank (the engine's norm counts each)
+        memo[key] = (p, piece)
+    return memo[key][1]
 
 
 def as_linear(module) -> nn.Linear:
