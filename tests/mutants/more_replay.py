@@ -1,0 +1,36 @@
+"""Mutants of the replay on modelled GPUs (theory/replay.py, replay_scale.py) and of what a traced run records."""
+from mutants import Mutant
+
+R = "tests/test_replay.py"
+MUTANTS = [
+    Mutant("replay-starts-before-issued", "zerolab/theory/replay.py",
+           "                start = max(max(got.values()), free[g])",
+           "                start = free[g]",
+           (f"{R}::test_a_collective_starts_when_the_last_member_issues_it_and_its_stream_is_free",),
+           "a collective starts on its stream before every member rank has issued it"),
+    Mutant("replay-wait-ignored", "zerolab/theory/replay.py",
+           "                    until = max([t[r]] + [end[k] for k in need])",
+           "                    until = t[r]",
+           (f"{R}::test_no_overlap_step_is_compute_plus_communication",),
+           "compute goes on without waiting for the collective the engine waited for"),
+    Mutant("replay-nics-not-shared", "zerolab/theory/replay_scale.py",
+           "        return gpus // g, 1, \"inter\"",
+           "        return gpus // g, g, \"inter\"",
+           (f"{R}::test_nics_are_shared_by_the_groups_crossing_beside_each_other",),
+           "a one-rank-per-node group gets the node's every NIC, though the groups beside it share them"),
+    Mutant("replay-backward-as-forward", "zerolab/runtime/trace.py",
+           "        self.phase, self._since, self.flops = phase, time.perf_counter(), 0",
+           "        self.phase, self._since, self.flops = \"forward\", time.perf_counter(), 0",
+           ("tests/test_replay_traced.py::test_a_traced_step_records_flops_per_unit_forward_and_backward_apart",),
+           "the backward's FLOPs recorded as forward: a target's size scales them by the forward's ratio"),
+    Mutant("replay-poll-blocks", "zerolab/theory/replay.py",
+           "                    if it[0] == \"wait\" and it[2]:      # collected after a poll: no wait on a GPU",
+           "                    if False:",
+           (f"{R}::test_a_wait_after_a_successful_poll_does_not_block_but_the_end_of_backward_does",),
+           "a collective the engine only collected after a poll found it done is replayed as a blocking wait"),
+    Mutant("replay-shape-layers-times-one", "zerolab/theory/replay_scale.py",
+           "        target = {\"layer\": self.shape.layers * self.shape.layer_params / mp,",
+           "        target = {\"layer\": self.shape.layer_params / mp,",
+           ("tests/test_replay_traced.py::test_replaying_at_the_recorded_models_own_size_changes_nothing",),
+           "a target's layer bytes are one layer's, spread over all the recorded layers"),
+]
