@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from zerolab.engine.flat import find_units
+from zerolab.engine.unit_hooks import tensors_of
 from zerolab.runtime.trace import Record, TraceRecorder
 
 META, OPTIMIZER = "trace-meta", "optimizer"
@@ -40,21 +41,11 @@ def _mark(module: nn.Module, i: int, rest: int, rec: TraceRecorder) -> None:
 
     def post_forward(_, args, output):
         rec.enter_unit(rest)
-        outs = [t for t in _tensors(output) if t.requires_grad]
+        outs = [t for t in tensors_of(output) if t.requires_grad]
         if outs and torch.is_grad_enabled():   # its backward starts when its output's gradient arrives
             torch.autograd.graph.register_multi_grad_hook(outs, lambda _g: rec.enter_unit(i), mode="any")
     module.register_forward_pre_hook(pre_forward)
     module.register_forward_hook(post_forward)
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    return []
 
 
 def meta(engine) -> tuple:
