@@ -5,7 +5,7 @@
 tests/test_ds_zero_init.py runs it both ways. The model's constructor sets values
 no ``reset_parameters`` gives (a bias set by ``nn.init.constant_``, a weight copied
 from a fixed tensor, a custom parameter, a buffer computed from arguments); after
-the block, rank 0's ``GatheredParameters(..., modifier_rank=0)`` edit must reach
+the block, rank 1's ``GatheredParameters(..., modifier_rank=1)`` edit must reach
 every rank, and an edit under ``modifier_rank=None`` must be dropped.
 
 As a script (under ``torchrun``) it writes rank r's result to ``OUT.rank{r}``:
@@ -61,7 +61,7 @@ def data(step: int, rank: int):
     return torch.randn(4, D, generator=g), torch.randint(0, 3, (4,), generator=g)
 
 
-MID, DROPPED = 0.3, 9.0   # rank 0's kept edit of mid.weight; everyone's dropped edit of out.bias
+MID, DROPPED = 0.3, 9.0   # rank 1's kept edit of mid.weight; everyone's dropped edit of out.bias
 
 
 def run(deepspeed, seed_by_rank: bool = False) -> dict:
@@ -77,8 +77,8 @@ def run(deepspeed, seed_by_rank: bool = False) -> dict:
     # a read: every rank sees the whole values, whatever order it lists the parameters in
     with deepspeed.zero.GatheredParameters(params if rank == 0 else params[::-1]):
         built = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with deepspeed.zero.GatheredParameters(model.mid.weight, modifier_rank=0), torch.no_grad():
-        model.mid.weight.fill_(MID if rank == 0 else -5.0)   # rank 0's edit is the one kept
+    with deepspeed.zero.GatheredParameters(model.mid.weight, modifier_rank=1), torch.no_grad():
+        model.mid.weight.fill_(MID if rank == 1 else -5.0)   # rank 1's edit is the one kept (not rank 0's)
     with deepspeed.zero.GatheredParameters([model.out.bias]), torch.no_grad():
         model.out.bias.fill_(DROPPED)   # modifier_rank=None: read-only, dropped on exit
     engine, _, _, _ = deepspeed.initialize(model=model, config=CONFIG, model_parameters=model.parameters())
@@ -98,7 +98,7 @@ def run(deepspeed, seed_by_rank: bool = False) -> dict:
 
 
 def reference(world: int = 2) -> dict:
-    """One process: the model built plainly (seed 100), rank 0's edit, AdamW over every rank's batch."""
+    """One process: the model built plainly (seed 100), rank 1's edit, AdamW over every rank's batch."""
     torch.manual_seed(100)
     model = Custom()
     built = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -7,7 +7,7 @@ construction), it must
 
 * leave every parameter a placeholder after the block, and inside a read-only ``GatheredParameters``
   (listing the parameters in a different order on each rank) show exactly the model built plainly;
-* keep rank 0's edit under ``modifier_rank=0`` on every rank (rank 1 wrote something else) and drop the
+* keep rank 1's edit under ``modifier_rank=1`` on every rank (rank 0 wrote something else) and drop the
   edit made under ``modifier_rank=None``;
 * start ``initialize`` (ZeRO-3) from those values exactly and train like one process (1e-5).
 
@@ -57,7 +57,7 @@ def check_against_one_process(results):
         assert all(res["placeholders"].values()), f"rank {res['rank']}: not partitioned {res['placeholders']}"
         close(res["built"], ref["built"], 0)      # the constructor's values, whole inside the block
         assert res["start"]["out.bias"].ne(script.DROPPED).all(), "a modifier_rank=None edit was kept"
-        assert res["start"]["mid.weight"].eq(script.MID).all(), "rank 0's modifier_rank=0 edit did not arrive"
+        assert res["start"]["mid.weight"].eq(script.MID).all(), "rank 1's modifier_rank=1 edit did not arrive"
         close(res["start"], ref["start"], 0)
         close(res["final"], ref["final"], 1e-5)
         assert torch.equal(res["freq"], ref["freq"])
@@ -166,8 +166,8 @@ def _meta_rank():
     rank = deepspeed.comm.get_rank()
     with torch.device("meta"):
         model = Small()
-    with deepspeed.zero.GatheredParameters([model.scale], modifier_rank=0), torch.no_grad():
-        model.scale.fill_(script.MID if rank == 0 else -5.0)
+    with deepspeed.zero.GatheredParameters([model.scale], modifier_rank=1), torch.no_grad():
+        model.scale.fill_(script.MID if rank == 1 else -5.0)
     with deepspeed.zero.GatheredParameters([model.fc.bias]), torch.no_grad():
         model.fc.bias.fill_(script.DROPPED)
     engine, _, _, _ = deepspeed.initialize(model=model, config=script.CONFIG, model_parameters=model.parameters())
@@ -177,10 +177,10 @@ def _meta_rank():
 
 @pytest.mark.slow
 def test_a_meta_device_models_edits_before_initialize_follow_modifier_rank():
-    """Built on the meta device, not under zero.Init: rank 0's edit is kept aside and written into the
+    """Built on the meta device, not under zero.Init: rank 1's edit is kept aside and written into the
     shards by initialize; the read-only block's edit is dropped (the bias comes from reset_parameters)."""
     got = zl.launch(_meta_rank, world_size=2, timeout=120, threads=1)
     for sd in got:
-        assert sd["scale"].eq(script.MID).all(), "rank 0's modifier_rank=0 edit did not arrive"
+        assert sd["scale"].eq(script.MID).all(), "rank 1's modifier_rank=1 edit did not arrive"
         assert sd["fc.bias"].ne(script.DROPPED).all(), "a modifier_rank=None edit was kept"
     close(got[1], got[0], 0)

@@ -35,3 +35,15 @@ MUTANTS = [
            (f"{DOOR}::test_loss_backward_then_step_equals_engine_backward",),
            "loss.backward() does not divide by gradient_accumulation_steps as DeepSpeed's output hooks do"),
 ]
+MUTANTS.append(Mutant(
+    "ds-gathered-edit-from-rank-0", "zerolab/deepspeed/zero.py",
+    "                value = p.detach().clone() if rank == self.modifier_rank else None",
+    "                value = p.detach().clone() if rank == 0 else None",
+    ("tests/test_ds_zero_init.py::test_a_meta_device_models_edits_before_initialize_follow_modifier_rank",),
+    "GatheredParameters before initialize keeps rank 0's edit whatever modifier_rank says"))
+MUTANTS.append(Mutant(
+    "ds-gathered-broadcast-from-rank-0", "zerolab/deepspeed/zero.py",
+    "                    dist.broadcast(full, src=self.modifier_rank)",
+    "                    dist.broadcast(full, src=0)",
+    ("tests/test_ds_zero_init.py::test_zero_init_keeps_the_constructors_values_and_trains_like_one_process",),
+    "GatheredParameters broadcasts rank 0's values whatever modifier_rank says"))
