@@ -47,3 +47,10 @@ MUTANTS.append(Mutant(
     "                    dist.broadcast(full, src=0)",
     ("tests/test_ds_zero_init.py::test_zero_init_keeps_the_constructors_values_and_trains_like_one_process",),
     "GatheredParameters broadcasts rank 0's values whatever modifier_rank says"))
+MUTANTS.append(Mutant(
+    "ds-boundary-micro-batch-not-counted", "zerolab/deepspeed/engine.py",
+    "        if forced is False:   # the caller (Accelerate) calls step() only at the boundary: count the micro-batch\n"
+    "            self.engine.step()",
+    "        if False:\n            self.engine.step()",
+    ("tests/test_hf_trainer_door.py::test_trainer_accumulation_sets_the_boundary_and_steps_only_there",),
+    "Accelerate's non-boundary backward is never counted: the engine's boundary drifts from the caller's"))

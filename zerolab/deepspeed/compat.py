@@ -90,8 +90,11 @@ TABLE = [
      "the config; their own step() is refused: the engine updates"),
     ("deepspeed.__version__ and importlib.metadata.version(\"deepspeed\") under zerolab-deepspeed", DIFFERS,
      "0.19.8+zerolab: the release followed, marked as zerolab's"),
-    ("engine.backward(retain_graph=True / scale_wrt_gas=False), engine.step(lr_kwargs=...)", REFUSED,
-     "zerolab's backward always scales and frees the graph; the schedule sets the learning rate"),
+    ("engine.backward(retain_graph=True), engine.step(lr_kwargs=...)", REFUSED,
+     "zerolab's backward frees the graph; the schedule sets the learning rate"),
+    ("engine.backward(loss, scale_wrt_gas=False), engine.set_gradient_accumulation_boundary", SUPPORTED,
+     "as Hugging Face Trainer and Accelerate drive DeepSpeed: the caller divides the loss and calls step() at "
+     "the boundary only; a boundary the config's gradient_accumulation_steps disagrees with is refused"),
     ("engine.train_batch(data_iter=None)", SUPPORTED,
      "PipelineModule engines: gradient_accumulation_steps micro-batches from data_iter or the engine's loader, "
      "one step; returns the mean loss over micro-batches and DP ranks"),

@@ -42,12 +42,25 @@ class DeepSpeedEngine(StepReports):
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """DeepSpeed's: loss / gradient_accumulation_steps, then autograd; returns the scaled loss."""
         self._need_optimizer("backward")
-        if retain_graph or not scale_wrt_gas:
-            _refuse(f"engine.backward(retain_graph={retain_graph}, scale_wrt_gas={scale_wrt_gas})",
-                    "zerolab's engine.backward(loss) always scales by 1/gradient_accumulation_steps and frees the "
-                    "graph")
+        if retain_graph:
+            _refuse("engine.backward(retain_graph=True)", "zerolab's engine.backward(loss) frees the graph")
+        if not scale_wrt_gas and self.engine.gas > 1:   # the caller divided already (Trainer): the engine will too
+            loss = loss * self.engine.gas
+        forced = self.__dict__.pop("_boundary", None)   # set_gradient_accumulation_boundary's, for this backward
+        if forced is not None and forced != self.engine.is_gradient_accumulation_boundary():
+            raise RuntimeError(f"set_gradient_accumulation_boundary({forced}) at micro-batch {self.engine.micro_steps} "
+                               f"disagrees with gradient_accumulation_steps={self.engine.gas} in the config: give "
+                               f"the config the accumulation the caller uses (\"auto\" takes it from the Trainer)")
         self.engine.backward(loss)
+        if forced is False:   # the caller (Accelerate) calls step() only at the boundary: count the micro-batch
+            self.engine.step()
         return loss / self.engine.gas if self.engine.gas > 1 else loss
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """DeepSpeed's, as Accelerate (and so Trainer) drives it: the next backward is (not) the boundary, and
+        step() comes only at the boundary. zerolab's engine counts micro-batches in step(), so a backward
+        outside the boundary counts its own; a boundary the config's accumulation disagrees with is refused."""
+        self.__dict__["_boundary"] = bool(is_boundary)
 
     def step(self, lr_kwargs=None):
         self._need_optimizer("step")
