@@ -30,7 +30,7 @@ MUTANTS = [
            "        if False:",
            (CE_RANGE,), "a token id outside the vocabulary looks up zeros instead of raising"),
     Mutant("tp-split-grad-not-reduced", "zerolab/parallel/regions.py",
-           "                p.register_hook(_all_reduce_grad(comm))",
+           "                p.register_hook(all_reduce_grad(comm, \"tp-split-grad\"))",
            "                pass",
            (CHECK_PASSES,), "a whole parameter inside a split region (Qwen3's q_norm) keeps its partial gradient"),
     Mutant("tp-check-always-passes", "zerolab/parallel/check.py",

@@ -20,13 +20,9 @@ partial gradient and names the parameter.
 """
 from __future__ import annotations
 
+from zerolab.parallel.sequence import all_reduce_grad
 
-def _all_reduce_grad(comm):
-    def hook(grad):
-        grad = grad.contiguous().clone()
-        comm.all_reduce(grad, tag="tp-split-grad")
-        return grad
-    return hook
+
 
 
 def found_in_split(model, converted: dict) -> list:
@@ -53,7 +49,7 @@ def mark_replicated_in_split(model, names: list, comm) -> list:
                 continue
             p.replicated_in_split = True
             if comm.world_size > 1:
-                p.register_hook(_all_reduce_grad(comm))
+                p.register_hook(all_reduce_grad(comm, "tp-split-grad"))
             marked.append(f"{mname}.{pname}")
     return marked
 

@@ -45,10 +45,11 @@ def _scatter_output(comm, where):
     return hook
 
 
-def _all_reduce_grad(comm):
+def all_reduce_grad(comm, tag="sp-grad"):
+    """A gradient hook: the gradient summed over the TP group (a parameter each TP rank keeps whole)."""
     def hook(grad):
         grad = grad.contiguous().clone()
-        comm.all_reduce(grad, tag="sp-grad")
+        comm.all_reduce(grad, tag=tag)
         return grad
     return hook
 
@@ -78,7 +79,7 @@ def wire(model, comm, heads: dict, sequence_modules: list) -> list:
             continue
         seen.add(id(p))
         p.sequence_parallel = True
-        p.register_hook(_all_reduce_grad(comm))
+        p.register_hook(all_reduce_grad(comm))
         marked.append(name)
     return marked
 
