@@ -39,7 +39,20 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def read_safetensors(path) -> dict:
+class Mapped(dict):
+    """name -> tensor, and ``maps``: the memory maps the tensors view (``release_pages`` unmaps their pages)."""
+    maps: list = []
+
+
+def release_pages(sd) -> None:
+    """Drop every page of ``sd``'s memory maps from this process (the page cache keeps them; the next
+    touch maps them again). The kernel maps whole page-cache folios — megabytes on ext4 — so without
+    this a rank reading half of each tensor holds the whole file resident."""
+    for mm in getattr(sd, "maps", ()):
+        mm.madvise(mmap.MADV_DONTNEED)   # a private, never-written file map: nothing is lost
+
+
+def read_safetensors(path) -> Mapped:
     """name -> tensor over a private memory map of ``path`` (pages are read when touched)."""
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)   # private: writes never reach the file
@@ -48,7 +61,8 @@ def read_safetensors(path) -> dict:
         header = json.loads(mm[8: 8 + n])
     except ValueError as e:
         raise ValueError(f"{path}: not a safetensors file (its header is not JSON: {e})") from None
-    out = {}
+    out = Mapped()
+    out.maps = [mm]
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -126,10 +140,12 @@ def open_state_dict(src) -> tuple[dict, str]:
             weight_map = json.load(f).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"load_state_dict: {path!r} has no 'weight_map' (not a sharded checkpoint's index)")
-        sd = {}
+        sd = Mapped()
+        sd.maps = []
         for shard in dict.fromkeys(weight_map.values()):
             part, _ = open_state_dict(os.path.join(os.path.dirname(path), shard))
             sd.update({k: v for k, v in part.items() if weight_map.get(k) == shard})
+            sd.maps += getattr(part, "maps", [])
         return sd, path
     if path.endswith(".safetensors"):
         return read_safetensors(path), path
@@ -166,6 +182,7 @@ def check_keys(expected: dict, sd: dict, where: str, strict: bool) -> tuple[list
 def load_state_dict(engine, src, strict: bool = True) -> tuple[list, list]:
     """Load ``src`` into ``engine`` (see the module docstring); returns (missing, unexpected)."""
     raw, where = open_state_dict(src)
+    opened = raw   # its memory maps
     flat, model = engine.flat, engine.module
     current = model.state_dict(keep_vars=True)
     raw = hf_names(model, raw, current)   # a HF file's per-expert names: the model's fused experts
@@ -200,6 +217,7 @@ def load_state_dict(engine, src, strict: bool = True) -> tuple[list, list]:
                 full[off: off + numel].copy_(src_flat)
         if offload_master:
             engine.optimizer.edit_master(i, torch.ones(mdst.numel(), dtype=torch.bool), mdst)
+        release_pages(opened)   # this unit's file pages leave the rank's resident set
     load_frozen_shards(engine, sd)
     whole = {id(t) for _, t in flat.frozen} | {id(b) for b in model.buffers()}
     for name, t in current.items():
