@@ -20,7 +20,7 @@ from zerolab.engine.checkpoint.ds_engine import save_deepspeed
 from zerolab.engine.checkpoint.load import load_checkpoint
 from zerolab.engine.checkpoint.mesh import (is_mesh_checkpoint, load_mesh_checkpoint, save_16bit_mesh,
                                            save_mesh_checkpoint)
-from zerolab.engine.checkpoint.mesh_state import full_state_dict as full_state_dict_3d, is_3d
+from zerolab.engine.checkpoint.mesh_state import full_state_dict as full_state_dict_3d, is_3d, original_layout
 from zerolab.engine.checkpoint.save import save_16bit_model, save_checkpoint
 from zerolab.engine.checkpoint.state import consolidated_state_dict
 from zerolab.parallel.pipeline import train_batch as pipeline_train_batch
@@ -78,7 +78,7 @@ class EngineAPI:
         mesh: gathered over TP, PP and DP, original names and full shapes (checkpoint/mesh_state.py)."""
         if is_3d(self):
             return full_state_dict_3d(self, rank0_only)
-        return consolidated_state_dict(self, rank0_only)
+        return original_layout(self.module, consolidated_state_dict(self, rank0_only))
 
     # ---------------------------------------------------------------- checkpoints (chapter 8)
     def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False,

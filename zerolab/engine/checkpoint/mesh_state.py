@@ -114,6 +114,15 @@ def world_all_gather(obj) -> list:
     return out
 
 
+def original_layout(module, sd: dict | None) -> dict | None:
+    """``sd`` with the weights a conversion holds transposed (GPT-2's ``Conv1D``) back in the original
+    model's layout: what ``full_state_dict`` returns at tp 1, as at tp > 1."""
+    for name in transposed(module) if sd is not None else ():
+        if name in sd and sd[name].dim() == 2:
+            sd[name] = sd[name].t().contiguous()
+    return sd
+
+
 @torch.no_grad()
 def full_state_dict(engine, rank0_only: bool = False) -> dict | None:
     """Collective over the whole mesh: the model's fp32 state dict with original names and full shapes,
@@ -128,7 +137,7 @@ def full_state_dict(engine, rank0_only: bool = False) -> dict | None:
                 full = torch.empty(mesh.tp * t.numel(), dtype=t.dtype, device=t.device)
                 comm.all_gather(full, t.view(-1), tag="tp-state")
                 sd[name] = unshard(list(full.view(mesh.tp, *t.shape).unbind(0)), *dims[name])
-            if name in flip and sd[name].dim() == 2 and mesh.tp > 1:   # back to the original layout (GPT-2's Conv1D)
+            if name in flip and sd[name].dim() == 2:   # back to the original layout (GPT-2's Conv1D), at tp 1 too
                 sd[name] = sd[name].t().contiguous()
         if mesh.pp > 1:
             parts = [None] * mesh.pp
