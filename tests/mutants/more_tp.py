@@ -50,7 +50,7 @@ MUTANTS = [
            "            pass",
            (DROPOUT,), "after a row-parallel layer the replicated dropouts draw from the per-rank split state"),
     Mutant("tp-state-conv1d-transposed", "zerolab/engine/checkpoint/mesh_state.py",
-           "            if name in flip and sd[name].dim() == 2 and mesh.tp > 1:",
+           "            if name in flip and sd[name].dim() == 2:   # back to the original layout (GPT-2's Conv1D), at tp 1 too",
            "            if False:",
            (GPT2_STATE,), "full_state_dict under a mesh holds GPT-2's Conv1D weights transposed"),
     Mutant("tp-gather-conv1d-transposed", "zerolab/parallel/plan.py",
