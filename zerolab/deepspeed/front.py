@@ -15,6 +15,7 @@ and the pipeline engine (``pipe_engine.py``). Model parallelism (``mpu``,
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import warnings
 
@@ -92,6 +93,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
         model_parameters = [model_parameters] if isinstance(model_parameters, dict) else list(model_parameters)
     raw = _raw_config(args, config, config_params)
+    as_given = copy.deepcopy(raw)   # engine.config: the user's dict, as DeepSpeed keeps it (transformers reads it)
     drop_last = bool(raw.pop("dataloader_drop_last", False))
     has_optimizer = optimizer is not None or raw.get("optimizer") is not None
     holder = None   # the torch optimizer whose param_groups hold the learning rates (a client's)
@@ -138,6 +140,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                          drop_last=drop_last)
     ds = PipelineEngine(engine, model, loader, local_rank, has_optimizer) if pipe else \
         DeepSpeedEngine(engine, loader, local_rank, has_optimizer)
+    ds.__dict__["config"] = as_given
     if optimizer is not None:
         ds.__dict__["client_optimizer_name"] = raw["optimizer"]["type"]   # DeepSpeed: the client's class name
     if client_scheduler is not None:

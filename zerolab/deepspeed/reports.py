@@ -11,10 +11,12 @@ number reported. ``was_step_applied()``:
 whether the last ``step()`` updated the parameters (False between accumulation
 boundaries and after an fp16 overflow skipped the step). Also
 ``get_batch_info()``, ``optimizer_name()`` and ``save_fp16_model`` (the old name
-of ``save_16bit_model``), as DeepSpeed answers them.
+of ``save_16bit_model``), as DeepSpeed answers them; ``zero_gather_16bit_weights_on_model_save()`` and
+``_zero3_consolidated_16bit_state_dict()``, which Accelerate calls to save a ZeRO-3 model.
 """
 from __future__ import annotations
 
+from zerolab.engine.checkpoint.state import gather_state_dict
 
 
 def reports_grad_norm(engine) -> bool:
@@ -51,6 +53,20 @@ class StepReports:
 
     def save_fp16_model(self, save_dir, save_filename="pytorch_model.bin"):
         return self.save_16bit_model(save_dir, save_filename)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's ``stage3_gather_16bit_weights_on_model_save`` (or its other names; DeepSpeed's default
+        False): whether a library may ask for the consolidated 16-bit weights (Accelerate, Trainer.save_model)."""
+        zero = self.config.get("zero_optimization") or {} if isinstance(self.config, dict) else {}
+        names = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                 "stage3_gather_fp16_weights_on_model_save")
+        return bool(next((zero[k] for k in names if k in zero), False))
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """Collective: the whole model in the compute dtype on rank 0 (None elsewhere), gathered a unit at a
+        time — what ``save_16bit_model`` writes; the name transformers and Accelerate call."""
+        sd = gather_state_dict(self.engine, rank0_only=True, sixteen_bit=True, exclude_frozen=exclude_frozen_parameters)
+        return sd if self.engine.rank == 0 else None
 
 
 class GradNormHook:

@@ -216,6 +216,8 @@ class GatheredParameters:
                 piece = cut_piece(full, rank, world)
             _swap(p, torch.empty(p.shape, dtype=piece.dtype, device="meta"))
             p._zl_piece = piece
+            if keep:
+                p._zl_set = True   # given its values (from_pretrained's weights): initialize must not re-init it
         for p in meta:
             if keep:
                 value = p.detach().clone() if rank == self.modifier_rank else None

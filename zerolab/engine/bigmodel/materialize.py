@@ -68,7 +68,9 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None,
     owners = direct_owners(model)
     hf = hf_model(model)   # a Hugging Face model initialises its modules its own way (_init_weights)
     # meta parameters to build here; under zl.zero_init a HF model's too (its post_init ran on partitioned modules)
-    pending = {id(p) for _, p in model.named_parameters() if p.is_meta and (hf is not None or not hasattr(p, "_zl_piece"))}
+    # — but not one a GatheredParameters(modifier_rank=r) block gave values (from_pretrained's weights: _zl_set)
+    pending = {id(p) for _, p in model.named_parameters() if p.is_meta and (
+        (hf is not None and not getattr(p, "_zl_set", False)) or not hasattr(p, "_zl_piece"))}
     frozen = {id(p) for _, p in flat.frozen}
     meta_buffers = set()   # (module id, buffer name): no values unless a BatchNorm's reset fills them
     where, written = {id(m): n for n, m in model.named_modules()}, set()   # meta buffers rank 0's build set
@@ -100,6 +102,9 @@ def materialize(flat, model: nn.Module, communicator, keep=(), frozen_flat=None,
                 if rank == 0:
                     before = {k: (b, b._version) for k, b in m._buffers.items() if (id(m), k) in meta_buffers}
                     construct(m, hf, lora.get(id(m)))   # may compute a buffer too (Gemma's embed_scale)
+                    for p in own:   # a parameter given its values keeps them: back to its piece
+                        if getattr(p, "_zl_set", False) and hasattr(p, "_zl_piece"):
+                            set_data(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
                     written.update(f"{where[id(m)]}.{k}".lstrip(".") for k, (b, v) in before.items()
                                    if m._buffers[k] is not b or b._version != v)
                 pending.difference_update(id(p) for p in own)
