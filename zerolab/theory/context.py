@@ -17,8 +17,7 @@ backward the inverse all-to-all of each of their gradients::
 
 An all-to-all of a tensor of N bytes over cp ranks sends N·(cp-1)/cp of it (each rank
 keeps its own piece): per layer, forward and backward together, 4·(Q + K)·(cp-1)/cp —
-independent of cp for large cp, as DeepSpeed-Ulysses' paper notes (per-link volume
-constant when s and cp grow together).
+falling as 1/cp, constant when s and cp grow together (DeepSpeed-Ulysses' point).
 
 **Ring** (``zerolab.parallel.context_ring``), per layer and micro-batch, each a
 point-to-point send to the next rank of the ring::
@@ -27,7 +26,8 @@ point-to-point send to the next rank of the ring::
     backward   (cp-1) sends of the K/V chunk with its dK/dV       4K bytes each
                1 send bringing the dK/dV accumulators home         2K bytes
 
-Every rank sends the same (the causal mask skips compute, not sends). The engine's
+Every rank sends the same (the causal mask skips compute, not sends): (6cp - 4)·K per
+layer, tending to 6·b·s·h_kv·a whatever cp. The engine's
 ledger books both under ``group="cp"``: ``engine.comm.total_bytes(group="cp")``
 (``mesh.ledger``) equals ``context_bytes`` (tests/test_context_parallel.py).
 
