@@ -50,6 +50,9 @@ def _exact_worker(methods):
         r["bytes"] = m.ledger.total_bytes(group="cp")
         r["out"] = diff(y, split_sequence(attention(q, k, v), comm))
         r["grads"] = max(diff(a.grad, split_sequence(b.grad, comm)) for a, b in zip(mine, ref))
+        both = [split_sequence(t, comm) for t in (q, k, v)]   # without the causal mask: every chunk seen
+        r["bidirectional"] = diff(context_attention(*both, comm=comm, method=method, causal=False),
+                                  split_sequence(attention(q, k, v, causal=False), comm))
         block = ContextParallelAttention(C, H, HKV, comm=comm, method=method)
         block.load_state_dict(plain.state_dict())
         xm = split_sequence(x, comm).requires_grad_()
@@ -72,7 +75,7 @@ def _exact_worker(methods):
 def _check_exact(results, cp):
     for rank, per in enumerate(results):
         for method, r in per.items():
-            for key in ("out", "grads", "block_out", "block_dx", "block_dw"):
+            for key in ("out", "grads", "bidirectional", "block_out", "block_dx", "block_dw"):
                 assert r[key] < TOL, (rank, method, key, r[key])
             # function: one layer, query hidden H*D, key/value hidden HKV*D; fp32
             want = context_bytes(cp, method, layers=1, hidden=C, micro_batch=B, seq=S, act_bytes=4, kv_hidden=HKV * D)
