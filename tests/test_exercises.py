@@ -243,7 +243,8 @@ WRONG = {
         "the sequence stays split (each rank keeps its own tokens)": (
             mutate("10_ulysses", "held_after", ("return list(range(s)), ",
                                                 "return list(range(r * (s // cp), (r + 1) * (s // cp))), ")),
-            {"the example: 2 ranks, 8 tokens, 4 heads", "the blocks tile the grid: every cell moves once, to where it is held",
+            {"the example: 2 ranks, 8 tokens, 4 heads",
+             "the blocks tile the grid: every cell moves once, to where it is held",
              "on real ranks: the layout and the ledger's bytes"}),
         "sends the destination's tokens, not its own": (
             mutate("10_ulysses", "sent", ("list(range(src * chunk, (src + 1) * chunk))",
