@@ -123,7 +123,7 @@ def test_bad_parallel_arguments_are_named():
 def test_estimate_cp_shards_like_dp_and_ep_splits_experts():
     psi, n = 70e9, 64
     assert zl.estimate(psi, n, 3, tp=4, cp=2) == zl.estimate(psi, n, 3, tp=4)   # ZeRO over dp·cp = 16
-    with pytest.raises(ValueError, match="ep dividing dp"):
+    with pytest.raises(ValueError, match=r"ep=16 must divide dp = n_gpus/\(tp\*pp\*cp\) = 8"):
         zl.estimate(psi, n, 3, tp=4, cp=2, ep=16, expert_params=60e9)
     # Mixtral-8x7B's shape: 45.1B of its 46.7B are experts; ep = 8 over 64 GPUs, ZeRO-1
     shape = zl.theory.get_shape("mixtral-8x7b")

@@ -188,9 +188,12 @@ def _with_experts(psi, n, stage, precision, optimizer, offload_optimizer, offloa
         raise ValueError(f"expert_params must be a whole number of parameters in 0..psi-1 ({psi - 1}), "
                          f"got {experts!r}")
     experts = int(experts)
-    if n % (tp * pp * cp) or (n // (tp * pp * cp)) % ep:
-        raise ValueError(f"n_gpus={n} must be tp*pp*cp*dp with ep dividing dp (tp={tp}, pp={pp}, cp={cp}, "
-                         f"ep={ep}): expert parallelism is carved out of the data-parallel ranks")
+    if n % (tp * pp * cp):
+        raise ValueError(f"n_gpus={n} is not a multiple of tp*pp*cp = {tp * pp * cp}: the DP size "
+                         f"n_gpus/(tp*pp*cp) must be a whole number")
+    if (n // (tp * pp * cp)) % ep:
+        raise ValueError(f"ep={ep} must divide dp = n_gpus/(tp*pp*cp) = {n // (tp * pp * cp)}: expert "
+                         f"parallelism is carved out of the data-parallel ranks")
     if ep > 1 and not experts:
         raise ValueError(f"ep={ep} needs expert_params > 0: the parameters expert parallelism splits")
     args = (precision, optimizer, offload_optimizer, offload_param, hpz)
