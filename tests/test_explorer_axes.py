@@ -99,6 +99,8 @@ def test_verdict_names_the_binding_term(ex):
     assert "does not fit" in ex.verdict
     reset(ex, stage=0, recompute="full")                                        # DDP: 12Ψ of optimizer state
     assert ex.binding == "optimizer" and "optimizer 90.0 GB of 80 GB: a higher ZeRO stage" in ex.verdict
+    reset(ex, psi=175e9, stage=3, recompute="full", seq_len=512)              # ZeRO-3 shards all: 12Ψ/N binds
+    assert ex.binding == "optimizer" and f"optimizer {12 * 175e9 / 64 / GB:.1f} GB of 80 GB" in ex.verdict
     reset(ex, psi=1e9, layers=2, hidden=1024, heads=8, seq_len=8192, micro_batch=8, vocab=256000, recompute="full")
     assert ex.binding == "logits" and "tp (vocabulary-parallel logits)" in ex.verdict
     reset(ex, psi=1e9, layers=4, hidden=1024, heads=16, seq_len=32768, recompute="full")
