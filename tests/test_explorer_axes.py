@@ -86,6 +86,10 @@ def test_recompute_and_logits(ex):
     d = reset(ex, vocab=50257)
     assert d["terms"]["logits"] == 2 * 4 * 2048 * 50257 and d["activations"][0] == acts(vocab=50257)
     assert d["total"][3] == zl.estimate(7.5e9, 64, 3).total + acts(vocab=50257)
+    d = reset(ex, flash_attention=True, hpz=8)                                 # FlashAttention; ZeRO++'s hpZ
+    assert d["activations"][3] == acts(flash_attention=True)
+    assert d["hpz"][3] == zl.estimate(7.5e9, 64, 3, hpz_partition_size=8).hpz == 2 * 7.5e9 / 8
+    assert d["hpz"][:3] == [0, 0, 0] and d["params"][3] == 2 * 7.5e9 / 64 + 2 * 7.5e9 / 8
 
 
 def test_verdict_names_the_binding_term(ex):

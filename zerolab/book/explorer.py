@@ -215,7 +215,7 @@ class MemoryExplorer:
         fits = ", ".join(f"{name} {'fits' if t <= gpu_gb * plots.GB else 'does not fit'}"
                          for name, t in zip(plots.STAGE_NAMES, data["total"]))
         display(plots.image_bundle(self.png, plots.figure_alt(fig)), raw=True)
-        print(f"Ψ = {format_params(p['psi'])} parameters, N = {p['n_gpus']} (dp = {data['dp']}{mesh}). "
+        print(f"Ψ = {format_params(p['psi'])} parameters, N = {p['n_gpus']}. Mesh: dp = {data['dp']}{mesh}. "
               f"With {gpu_gb} GB per GPU: {fits}.\n{self.verdict}")
 
     def measure(self):
