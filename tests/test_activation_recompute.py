@@ -135,3 +135,15 @@ def test_estimate_cp_shards_like_dp_and_ep_splits_experts():
     assert est.psi == P and est.total < zl.estimate(P, n, 1).total
     with pytest.raises(ValueError, match="ep=8 needs expert_params > 0"):
         zl.estimate(P, n, 1, ep=8)
+
+
+def test_presets_match_their_published_parameter_counts():
+    shapes = zl.theory.SHAPES
+    mixtral = shapes["mixtral-8x7b"]
+    active = mixtral.params - mixtral.expert_params + mixtral.expert_params * mixtral.top_k // mixtral.experts
+    assert (round(mixtral.params / 1e9, 1), round(active / 1e9, 1)) == (46.7, 12.9)    # Mixtral paper, section 2
+    assert round(shapes["llama-3.1-405b"].params / 1e9) == 406                          # "405B"
+    assert round(shapes["gpt-3-175b"].params / 1e9) == 175 and round(shapes["gpt-3-13b"].params / 1e9) == 13
+    # a token runs top_k experts: the FLOPs count 2 of Mixtral's 8 MLPs, the parameters all 8
+    dense = mixtral.with_(experts=1, top_k=1)
+    assert mixtral.layer_flops() - dense.layer_flops() == mixtral.tokens * 2 * (mixtral.mlp_params + 8 * 4096)
