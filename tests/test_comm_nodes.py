@@ -85,7 +85,7 @@ def test_cross_node_groups_share_the_nics():
     # the figures the chapters quote: ZeRO++ on 16 x 8 cloud nodes ~1.62 s (the whole-NIC model said 1.19 s)
     assert round(step_comm_time(PSI, 128, 3, node=CLOUD, **ALL3), 2) == 1.62
     assert round(step_comm_time(PSI, 16, 3, node=CLOUD, **ALL3), 2) == 1.33          # 2 nodes (said 1.07 s)
-    one = NODES["dgx-a100"].with_nics(1)                                             # chapter 12, Q10 (said 5.04x)
+    one = NODES["dgx-a100"].with_nics(1)                                             # chapter 14, Q10 (said 5.04x)
     assert round(step_comm_time(PSI, 64, 3, node=one) / step_comm_time(PSI, 64, 3, node=one, **ALL3), 1) == 3.7
 
 

@@ -41,8 +41,8 @@ def test_adamw_weight_decay_is_deepspeeds():
     assert given.optimizer.params == {"weight_decay": 0.1}
 
 
-def test_chapter_10_prints_the_generated_table():
-    nb = json.loads((ROOT / "chapters" / "11_in_practice.ipynb").read_text(encoding="utf-8"))
+def test_chapter_12_prints_the_generated_table():
+    nb = json.loads((ROOT / "chapters" / "12_in_practice.ipynb").read_text(encoding="utf-8"))
     code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     assert any("defaults_markdown()" in src for src in code)
     assert "| `gradient_clipping` | 0.0 | 1.0 | differs" in defaults_markdown()

@@ -1,4 +1,4 @@
-"""zerolab.book.figures_plan (chapter 11): the stage-choice figure draws every candidate choose_stage weighed,
+"""zerolab.book.figures_plan (chapter 12): the stage-choice figure draws every candidate choose_stage weighed,
 and its alt text names the choice the procedure made (a planted wrong choice is caught)."""
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""bench.peers.fsdp_beside_ours (chapter 11): our ZeRO-3 and FSDP2 fully_shard on 2 real ranks agree
+"""bench.peers.fsdp_beside_ours (chapter 12): our ZeRO-3 and FSDP2 fully_shard on 2 real ranks agree
 (fp32, 1e-5) after real updates, and keep the same bytes per rank (4Ψ/N parameters, 8Ψ/N Adam state)."""
 import pytest
 

@@ -1,4 +1,4 @@
-"""choose_stage (theory/plan.py): the procedure chapters 11, 12 and exercise 7 share, its
+"""choose_stage (theory/plan.py): the procedure chapters 12, 14 and exercise 7 share, its
 tie-break, and the seeds' rules of thumb by model size (issue 14)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""zerolab.book.profiling (chapter 11): a profiled step on 2 real ranks sees its collectives, and MFU is 6Ψ·tokens / (time x N x peak)."""
+"""zerolab.book.profiling (chapter 13): a profiled step on 2 real ranks sees its collectives, and MFU is 6Ψ·tokens / (time x N x peak)."""
 import pytest
 
 import zerolab as zl

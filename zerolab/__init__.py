@@ -37,7 +37,7 @@ _EXPORTS = {
     "Hardware": "zerolab.theory.hardware",
     "HARDWARE": "zerolab.theory.hardware",
     "choose_stage": "zerolab.theory.plan",
-    "replay": "zerolab.theory.replay",                    # time on modelled GPUs from a traced run (chapters 3-12)
+    "replay": "zerolab.theory.replay",                    # time on modelled GPUs from a traced run (chapters 3-14)
     "Cluster": "zerolab.theory.replay",
     "ModelShape": "zerolab.theory.shapes",
     # runtime (chapters 0, 2); `launch` itself is imported eagerly below

@@ -1,4 +1,4 @@
-"""Command line: ``python -m zerolab <command>`` (chapter 11 uses ``estimate``).
+"""Command line: ``python -m zerolab <command>`` (chapter 12 uses ``estimate``).
 
 Each subcommand is two small functions, ``add_<name>_args(parser)`` and
 ``cmd_<name>(args) -> exit code``, registered in ``COMMANDS``; adding one is

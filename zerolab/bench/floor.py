@@ -1,4 +1,4 @@
-"""The floor of a data-parallel step, measured in the bench's own run (chapter 11, README's bench table).
+"""The floor of a data-parallel step, measured in the bench's own run (chapter 12, README's bench table).
 
 No data-parallel engine can take less time per step than one rank's
 micro-batch computed alone (forward, backward, and the optimizer step on the

@@ -1,4 +1,4 @@
-"""The contenders of ``python -m zerolab bench``: our engine and its peers (chapter 11).
+"""The contenders of ``python -m zerolab bench``: our engine and its peers (chapter 12).
 
 Each contender is built on one rank from the same ``TinyGPT`` preset (same
 seed, so the same initial parameters) and the same DeepSpeed-style config
@@ -269,7 +269,7 @@ def build(kind: str, preset: str, stage: int, cfg: dict) -> Runner:
 
 
 def fsdp_beside_ours(preset: str = "micro", steps: int = 3, batch_per_rank: int = 2) -> dict:
-    """Inside a launched rank (chapter 11, "FSDP beside ZeRO"): our ZeRO-3 and FSDP2 ``fully_shard``
+    """Inside a launched rank (chapter 12, "FSDP beside ZeRO"): our ZeRO-3 and FSDP2 ``fully_shard``
     trained on the same batches from the same initial parameters; the largest parameter difference
     and the bytes each keeps per rank for parameters and optimizer state (local shards only)."""
     from zerolab.book.models import synthetic_batch

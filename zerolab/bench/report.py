@@ -1,5 +1,5 @@
 """Printing and saving ``zerolab bench`` results: the text table, bench.json, bench.png,
-bench.md (the README's tables, rendered from the run; chapter 11)."""
+bench.md (the README's tables, rendered from the run; chapter 12)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""``python -m zerolab bench``: our engines against PyTorch and DeepSpeed, side by side (chapter 11).
+"""``python -m zerolab bench``: our engines against PyTorch and DeepSpeed, side by side (chapter 12).
 
 One ``zl.launch`` per world size runs every contender (``bench_peers``) in the
 same rank processes, one thread per rank, on the same TinyGPT, config and

@@ -1,4 +1,4 @@
-"""Who runs in ``python -m zerolab bench``: one ``Spec`` per contender (chapter 11).
+"""Who runs in ``python -m zerolab bench``: one ``Spec`` per contender (chapter 12).
 
 ``compare_specs``: ours at each stage, then its peers (``peers.PEERS``), all on
 one DeepSpeed-style config; ``overlap_specs``: ours only, ``overlap_comm`` off and

@@ -1,4 +1,4 @@
-"""What the chapters call (chapters 0-12): ``show`` (the package's real source), widgets,
+"""What the chapters call (chapters 0-14): ``show`` (the package's real source), widgets,
 plots, the chapters' training runs, the book's models, the quantisation demo, timelines.
 
 Files: ``listing`` (``show``, ``source``), ``widgets`` (ipywidgets + matplotlib), ``plots``, ``ring`` (the

@@ -1,4 +1,4 @@
-"""Drills: numeric problems at cluster scale, checked against the package (chapters 1-11).
+"""Drills: numeric problems at cluster scale, checked against the package (chapters 1-13).
 
 Each teaching chapter ends its text with a few "Drill k" problems — given a cluster and a model,
 compute a number — whose answer the package computes. ``drill(k, expected, unit, working)`` shows a

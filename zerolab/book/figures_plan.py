@@ -1,4 +1,4 @@
-"""The stage-choice procedure drawn from its own result (chapter 11).
+"""The stage-choice procedure drawn from its own result (chapter 12).
 
 ``stage_choice_figure(plan, usable_bytes)`` takes what ``zl.choose_stage`` returned and
 draws, for every candidate it weighed, the memory per GPU against the usable memory

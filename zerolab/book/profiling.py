@@ -1,4 +1,4 @@
-"""Profiling one training step with torch.profiler: communication share and MFU (chapter 11).
+"""Profiling one training step with torch.profiler: communication share and MFU (chapter 13).
 
 ``profile_step`` runs inside every rank of ``zl.launch``: it trains a ``TinyGPT``
 preset with ``zl.initialize`` for a few warm-up steps, then records the next

@@ -1,4 +1,4 @@
-"""The DeepSpeed JSON, read and validated once (chapter 11): ``zl.Config``, ``zl.ConfigError``.
+"""The DeepSpeed JSON, read and validated once (chapter 12): ``zl.Config``, ``zl.ConfigError``.
 
     cfg = zl.Config.from_deepspeed("ds.json", world_size=8)
 

@@ -1,4 +1,4 @@
-"""DeepSpeed-style JSON -> a validated ``Config`` (chapter 11; used by ``zl.initialize``).
+"""DeepSpeed-style JSON -> a validated ``Config`` (chapter 12; used by ``zl.initialize``).
 
     cfg = zl.Config.from_deepspeed("ds.json", world_size=8)   # dict, path or JSON text
     cfg.zero.stage, cfg.precision, cfg.ignored, cfg.notes

@@ -1,4 +1,4 @@
-"""zerolab's defaults beside DeepSpeed's, read from the code (chapter 11's defaults table).
+"""zerolab's defaults beside DeepSpeed's, read from the code (chapter 12's defaults table).
 
     from zerolab.config.defaults import defaults_table
     for row in defaults_table(): print(row["key"], row["zerolab"], row["deepspeed"], row["why"])
@@ -101,7 +101,7 @@ def defaults_table() -> list[dict]:
 
 
 def defaults_markdown() -> str:
-    """The table as Markdown (chapter 11 displays it)."""
+    """The table as Markdown (chapter 12 displays it)."""
     lines = [f"| key | zerolab | DeepSpeed {DEEPSPEED_VERSION} | |", "|---|---|---|---|"]
     for r in defaults_table():
         lines.append(f"| `{r['key']}` | {r['zerolab']!r} | {r['deepspeed']!r} | "

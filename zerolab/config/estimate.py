@@ -1,4 +1,4 @@
-"""``zl.estimate_config``: the memory model (``zerolab.theory``) for a DeepSpeed config (chapter 11)."""
+"""``zl.estimate_config``: the memory model (``zerolab.theory``) for a DeepSpeed config (chapter 12)."""
 from __future__ import annotations
 
 from zerolab.config.core import Config

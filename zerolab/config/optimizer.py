@@ -1,4 +1,4 @@
-"""The ``optimizer`` and ``scheduler`` sections (chapters 4 and 11).
+"""The ``optimizer`` and ``scheduler`` sections (chapters 4 and 12).
 
 Key tables, defaults and readers side by side. Every parameter name is checked
 here against what the engine's optimizer (``zerolab.engine.optim``) and

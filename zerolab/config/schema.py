@@ -1,4 +1,4 @@
-"""The readers every config section uses (chapter 11): JSON with comments, typed values, key tables.
+"""The readers every config section uses (chapter 12): JSON with comments, typed values, key tables.
 
 Each section of the DeepSpeed JSON has a file beside this one holding its key
 table, its defaults (a dataclass) and its reader: ``zero`` (zero_optimization

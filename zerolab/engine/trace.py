@@ -1,4 +1,4 @@
-"""A traced run (``{"zerolab": {"trace": true}}``): what the replay on modelled GPUs reads (chapters 3-12).
+"""A traced run (``{"zerolab": {"trace": true}}``): what the replay on modelled GPUs reads (chapters 3-14).
 
 ``start_trace`` gives the engine a ``runtime.trace.TraceRecorder`` over ``engine.events``: the
 engine's communicator books every collective's issue and wait there, each unit's module

@@ -1,4 +1,4 @@
-"""What a traced run records for the replay on modelled GPUs (chapters 3-12, ``theory.replay``).
+"""What a traced run records for the replay on modelled GPUs (chapters 3-14, ``theory.replay``).
 
 With ``{"zerolab": {"trace": true}}`` an engine keeps a ``TraceRecorder`` over its
 ``engine.events``. Three kinds of record join the timeline events there, each a ``Record``:

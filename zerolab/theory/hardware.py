@@ -14,7 +14,7 @@ what the offload tiers and the compute need:
 * ``nvme_drives`` x ``nvme_drive``: the node's local NVMe drives and the bytes/s of one.
 
 ``GPUS`` holds single accelerators' datasheet peaks (A100, H100, H200, B200: bf16 FLOP/s,
-HBM bandwidth and size, NVLink, the NIC per GPU) for chapter 11's roofline.
+HBM bandwidth and size, NVLink, the NIC per GPU) for chapter 12's roofline.
 
 Chapters 7, 9, 11, 12 and ``choose_stage`` take these presets (``HARDWARE[name]``);
 nothing else in the book states a bandwidth of its own. Every number is a line rate or a
@@ -163,7 +163,7 @@ def offload_step_seconds(psi, n_gpus, grad_accum=1, optimizer="none", params="no
 
 @dataclass(frozen=True)
 class GPU:
-    """One accelerator's peaks (datasheet figures, dense, per GPU): the roofline's inputs (chapter 11)."""
+    """One accelerator's peaks (datasheet figures, dense, per GPU): the roofline's inputs (chapter 12)."""
     name: str
     bf16: float          # dense bf16 tensor FLOP/s (no sparsity)
     hbm: float           # memory bandwidth, bytes/s

@@ -1,4 +1,4 @@
-"""Choosing a ZeRO stage: the one procedure chapters 11, 12 and exercise 7 call (chapter 11).
+"""Choosing a ZeRO stage: the one procedure chapters 12, 14 and exercise 7 call (chapter 12).
 
     choose_stage(psi, n_gpus, gpu_bytes, activations, node="dgx-a100", grad_accum=g)
 

@@ -92,7 +92,7 @@ SPEEDUPS = (
 
 
 def comparison_text(flops: float = V100_FLOPS) -> str:
-    """Model vs published, side by side with the ratio (the table chapter 11 prints)."""
+    """Model vs published, side by side with the ratio (the table chapter 12 prints)."""
     lines = [f"{'nccl-tests all-reduce busbw':<62}{'model':>8}{'published':>11}{'ratio':>7}   source"]
     for b in BUS_BANDWIDTHS:
         lines.append(f"{b.what:<62}{b.model_gbs:>6.0f} GB/s{b.published_gbs:>6.0f} GB/s{b.ratio:>6.2f}   {b.source}")

@@ -1,4 +1,4 @@
-"""The engine's real schedule replayed on a modelled GPU cluster: time you can trust without a GPU (chapters 3-12).
+"""The engine's real schedule replayed on a modelled GPU cluster: time you can trust without a GPU (chapters 3-14).
 
 A traced run (``{"zerolab": {"trace": true}}``) records, per rank, its compute with the FLOPs
 counted, every collective's issue and wait, and each optimizer update (``runtime/trace.py``).
