@@ -124,8 +124,24 @@ def test_replay_all_replays_on_the_cluster_it_is_given(four_layer):
         assert reps["overlap on"].step_seconds < reps["overlap off"].step_seconds
     text = replayed.table({"dgx-h100": one})
     assert "modelled" in text and f"{one['overlap on'].step_seconds:.3f}" in text
-    fig = replayed.plot_replays(one)
-    assert all("modelled" in ax.get_title() and "dgx" in ax.get_title().lower() for ax in fig.axes[:2])
+    fig = replayed.plot_replays({"dgx-h100": one, "cloud-100gbe:2": two}, names=["overlap on"])
+    titles = [ax.get_title() for ax in fig.axes]
+    assert len(titles) == 2 and all("overlap on" in t and "modelled" in t for t in titles)
+    assert str(get_cluster("dgx-h100")) in titles[0] and str(get_cluster("cloud-100gbe:2")) in titles[1]
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [
+        "rank 0 compute", "rank 0 all-gather", "rank 0 reduce-scatter"]
+
+
+@pytest.mark.slow
+def test_lesson_records_once_and_replays_on_every_named_cluster_at_the_target_size():
+    two = ModelShape("2-layer 7B-wide", 4096, 2, 32, 32, 11008, 32000, seq=4096)
+    got = replayed.lesson({"ZeRO-3": {"stage": 3}}, clusters=("cloud-100gbe:2", "dgx-h100"), model=two)
+    assert list(got) == ["cloud-100gbe:2", "dgx-h100"]
+    for cluster, reps in got.items():
+        rep = reps["ZeRO-3"]
+        assert rep.cluster == get_cluster(cluster) and rep.flops == pytest.approx(two.step_flops())
+        assert any(k == "all-gather" for k, *_ in rep.spans[0])
+    assert got["cloud-100gbe:2"]["ZeRO-3"].step_seconds > got["dgx-h100"]["ZeRO-3"].step_seconds
 
 
 # ---------------------------------------------------------------- the bench's replay

@@ -10,6 +10,8 @@ per setting, and replays it with ``zl.replay`` on a named cluster (``theory.repl
   target's, unit by unit; ``replay(..., model=)`` gives every unit the target's bytes and FLOPs.
 * ``replay_all(traces, cluster)``: one ``Replay`` per setting on ``cluster`` (``CLUSTERS``: one
   DGX H100 node; two cloud nodes with one 100 Gb/s NIC each).
+* ``lesson(settings, clusters)``: both at once, ``{cluster: {name: Replay}}`` — what a chapter calls;
+  ``table`` prints it, ``plot_replays`` draws rank 0's replayed lanes with ``plots.plot_timeline``.
 
 Every number it returns is *replayed on a modelled cluster*, never measured.
 """
@@ -97,17 +99,27 @@ def table(replays: dict, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def plot_replays(replays: dict, rank: int = 0, title: str = "", figsize=None):
-    """One panel per setting: rank ``rank``'s replayed lanes (compute, all-gather, reduce-scatter) on one
-    time axis, drawn by ``plots.plot_timeline`` as a measured run's lanes are. ``replays``: ``{name: Replay}``."""
+def lesson(settings: dict, clusters=tuple(CLUSTERS), model=TARGET, **record_kw) -> dict:
+    """``{cluster: {name: Replay}}``: each setting (``name -> zero_optimization keys``, on top of
+    ``config``'s) traced once and replayed on every cluster at ``model``'s size. ``record_kw``: for
+    ``record`` (``world_size``, ``ranks_per_node``)."""
+    traces = record({name: config(zero) for name, zero in settings.items()}, model=model, **record_kw)
+    return {c: replay_all(traces, c, model=model) for c in clusters}
+
+
+def plot_replays(replays: dict, names=None, rank: int = 0):
+    """A figure of rank ``rank``'s replayed lanes (compute, all-gather, reduce-scatter), one panel per
+    cluster and setting (``names``, default all), drawn by ``plots.plot_timeline`` as a measured run's
+    lanes are; the panels of one cluster share its time axis. ``replays``: ``{cluster: {name: Replay}}``."""
     from matplotlib.figure import Figure
     from zerolab.book import plots
-    names = list(replays)
-    fig = Figure(figsize=figsize or (10, 1.2 + 1.6 * len(names)), layout="constrained")
-    axes = fig.subplots(len(names), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, name in zip(axes, names):
-        rep = replays[name]
+    panels = [(c, n) for c, reps in replays.items() for n in (names or reps)]
+    fig = Figure(figsize=(10, 0.6 + 1.5 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, (c, n) in zip(axes, panels):
+        rep = replays[c][n]
         plots.plot_timeline(rep, ax=ax, ranks=[rank],
-                            title=f"{title}{name}: replayed on {rep.cluster} (modelled), "
+                            title=f"{n}: rank {rank} replayed on {rep.cluster} (modelled), "
                                   f"{rep.step_seconds:.3f} s per step")
+        ax.set_xlim(0, 1.02e3 * max(r.step_seconds for r in replays[c].values()))
     return fig
