@@ -171,3 +171,31 @@ def test_bench_replay_refuses_an_unknown_cluster_by_name(tmp_path, capsys):
     assert main(["bench", "--replay", "dgx-z", "--out", str(tmp_path)]) != 0     # before any rank starts
     assert "unknown cluster 'dgx-z'; presets:" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
+
+
+# ---------------------------------------------------------------- ZeRO++ against its published figure
+# DeepSpeed's ZeRO++ blog (June 2023) and paper (Wang et al., 2023, arXiv:2306.10209): "up to 2.2x" the
+# throughput of ZeRO-3 on a 100 Gb/s network (the paper: up to 2.16x at 384 GPUs). "Up to": the gain
+# depends on how much compute each step has to hide the traffic behind, i.e. the tokens per GPU.
+ZEROPP_PUBLISHED = 2.2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zeropp_over_zero3_at_100gbe_brackets_the_published_2_2x_by_tokens_per_gpu():
+    """Replayed on 2 nodes of one 100 Gb/s NIC each at Llama-2-7B's size: with 2,048 tokens per GPU the
+    gain is above the published 2.2x, with 4,096 below it (and still above 1.5x); the gap to a single
+    figure is the batch, which the blog does not pin to ours. On 2 DGX H100 nodes (8 x 400 Gb/s) ZeRO-3's
+    traffic already hides: ZeRO++ gains nothing (within 10 %)."""
+    settings = {"ZeRO-3": replayed.config({"stage": 3}),
+                "ZeRO++": replayed.config({"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
+                                           "zero_quantized_gradients": True})}
+    traces = replayed.record(settings, world_size=4, ranks_per_node=2)
+    shape = zl.theory.get_shape("llama-2-7b")
+
+    def gain(cluster, seq):
+        reps = replayed.replay_all(traces, cluster, model=shape.with_(seq=seq))
+        return reps["ZeRO-3"].step_seconds / reps["ZeRO++"].step_seconds
+    long, short = gain("cloud-100gbe:2", 4096), gain("cloud-100gbe:2", 2048)
+    assert 1.5 < long < ZEROPP_PUBLISHED < short < 1.5 * ZEROPP_PUBLISHED, (long, short)
+    assert 0.9 < gain("dgx-h100:2", 4096) < 1.1

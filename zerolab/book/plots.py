@@ -7,7 +7,8 @@ into PNG bytes and ``show`` displays a figure with alt text: the widgets and
 chapters draw without pyplot, so no figure leaks out of a widget's output area.
 
 Used by: chapter 1 (``stage_memory_bars``, ``memory_bars``), chapter 2
-(``comm_bars``, ``bandwidth_curves``), chapter 6 (``plot_timeline``). The ring all-reduce's
+(``comm_bars``, ``bandwidth_curves``), chapters 3-6 and 9 (``plot_timeline``: a measured run's
+lanes and a ``zl.replay``'s, drawn alike). The ring all-reduce's
 grid (chapter 2) is drawn beside its simulation, in ``zerolab.book.ring``.
 """
 from __future__ import annotations
@@ -230,7 +231,7 @@ def bandwidth_curves(links, n, op="all_reduce", sizes=None, ax=None, title=None)
 # -- chapter 6 -----------------------------------------------------------------
 
 KIND_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer step": "#8172B3",
-               "all-gather": "#DD8452", "reduce-scatter": "#C44E52", "all-reduce": "#C44E52",
+               "all-gather": "#DD8452", "reduce-scatter": "#C44E52", "all-reduce": "#CCB974",
                "all-to-all": "#937860", "broadcast": "#DA8BC3"}   # one colour per kind, measured or replayed
 
 
