@@ -150,6 +150,7 @@ def test_lesson_records_once_and_replays_on_every_named_cluster_at_the_target_si
 def test_bench_replay_traces_ours_and_labels_every_number_modelled(tmp_path):
     from zerolab.bench import replay as br
     from zerolab.cli import main
+    (tmp_path / "bench.md").write_text("measured tables\n")
     assert main(["bench", "--replay", "dgx-h100", "dgx-h100:2", "--stages", "0", "3", "--world-sizes", "2",
                  "--model", "tiny", "--batch", "4", "--out", str(tmp_path)]) == 0
     with open(os.path.join(tmp_path, "replay.json")) as f:
@@ -162,8 +163,19 @@ def test_bench_replay_traces_ours_and_labels_every_number_modelled(tmp_path):
     assert rows[0, "dgx-h100:2"]["step_ms"] > rows[0, "dgx-h100"]["step_ms"]     # across nodes is slower
     with open(os.path.join(tmp_path, "replay.md")) as f:
         md = f.read()
+    with open(os.path.join(tmp_path, "bench.md")) as f:
+        assert f.read() == br.into_bench_md("measured tables\n", md)    # the timed run's file gets the section
     assert md == br.markdown(result) and "modelled" in md.splitlines()[0]
     assert f"{rows[3, 'dgx-h100']['step_ms']:.3f}" in md
+
+
+def test_the_replay_table_goes_into_bench_md_once_labelled_and_replaced_next_time():
+    from zerolab.bench import replay as br
+    measured = "| stage | peer | 2 ranks |\n|---|---|---|\n| 0 | torch DDP | 0.98 (1.00) |\n"
+    once = br.into_bench_md(measured, "Replayed (modelled)\n| 0 | 0.179 |\n")
+    assert once.startswith(measured) and once.count(br.START) == 1 and "0.179" in once
+    twice = br.into_bench_md(once, "Replayed (modelled)\n| 0 | 0.5 |\n")
+    assert twice.startswith(measured) and twice.count(br.START) == 1 and "0.5 |" in twice and "0.179" not in twice
 
 
 def test_bench_replay_refuses_an_unknown_cluster_by_name(tmp_path, capsys):

@@ -40,4 +40,9 @@ MUTANTS = [
            "                rep = replay(traces, clusters[0])",
            (f"{T}::test_bench_replay_traces_ours_and_labels_every_number_modelled",),
            "the bench replays every row on the first cluster named"),
+    Mutant("bench-md-replay-section-duplicated", "zerolab/bench/replay.py",
+           "    head = bench_md.split(START)[0].rstrip(\"\\n\")",
+           "    head = bench_md.rstrip(\"\\n\")",
+           (f"{T}::test_the_replay_table_goes_into_bench_md_once_labelled_and_replaced_next_time",),
+           "a second replay appends another modelled section to bench.md instead of replacing the first"),
 ]

@@ -7,8 +7,9 @@ and the ring pair of collectives (reduce-scatter + all-gather, what NCCL runs; g
 CPU tuning, chapter 4) — one optimizer step after a warm-up step, and replays each trace with
 ``zl.replay`` on every named cluster. Every number here is **modelled** (``theory.replay``), at the
 traced model's own size; nothing is timed, so it is the same on every machine, bit for bit.
-Results go to ``replay.json`` and ``replay.md`` beside ``bench.json`` (neither run overwrites the
-other's files).
+Results go to ``replay.json`` and ``replay.md`` beside ``bench.json``; a ``bench.md`` already
+there (the timed run's tables) gets the replay table as a section of its own, replaced on the next
+replay, so the measured and the modelled tables sit in one file, each labelled.
 """
 from __future__ import annotations
 
@@ -105,12 +106,30 @@ def text(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+START, END = "<!-- replayed (modelled) -->", "<!-- end replayed -->"
+
+
+def into_bench_md(bench_md: str, replay_md: str) -> str:
+    """``bench_md`` with its replayed section (between ``START`` and ``END``) set to ``replay_md``."""
+    head = bench_md.split(START)[0].rstrip("\n")
+    tail = bench_md.split(END, 1)[1].lstrip("\n") if START in bench_md and END in bench_md else ""
+    return f"{head}\n\n{START}\n{replay_md}{END}\n" + (f"\n{tail}" if tail else "")
+
+
 def save(result: dict, out: str) -> dict:
-    """Write ``replay.json`` and ``replay.md`` into ``out``."""
+    """Write ``replay.json`` and ``replay.md`` into ``out``; a ``bench.md`` there gets the table too."""
     os.makedirs(out, exist_ok=True)
     paths = {"json": os.path.join(out, "replay.json"), "md": os.path.join(out, "replay.md")}
+    md = markdown(result)
     with open(paths["md"], "w") as f:
-        f.write(markdown(result))
+        f.write(md)
+    bench_md = os.path.join(out, "bench.md")
+    if os.path.exists(bench_md):
+        with open(bench_md) as f:
+            text = f.read()
+        with open(bench_md, "w") as f:
+            f.write(into_bench_md(text, md))
+        paths["bench_md"] = bench_md
     result["files"] = paths
     with open(paths["json"], "w") as f:
         json.dump(result, f, indent=1)
