@@ -3,7 +3,9 @@
 Without ``--sweep``: the side-by-side bench (``runner.bench``); with it, the
 scaling sweep (``sweep.sweep``), narrowed by the same ``--models``,
 ``--world-sizes`` and ``--stages``; with ``--meshes`` (or ``--3d``): ours under
-tensor and pipeline parallelism beside PyTorch's (``mesh3d.bench_3d``).
+tensor and pipeline parallelism beside PyTorch's (``mesh3d.bench_3d``); with
+``--replay CLUSTER ...``: ours traced at each stage and replayed on modelled GPU
+clusters (``replay.replay_bench``; modelled, nothing timed).
 """
 from __future__ import annotations
 
@@ -46,6 +48,10 @@ def add_bench_args(p):
                    help="3D instead of the DP bench: ours under TP / PP beside DTensor TP + FSDP2 and "
                         "torch.distributed.pipelining, one launch per mesh (e.g. 2x2x1 1x1x2 or 2x2x1,1x1x2; "
                         "--3d = 2x2x1 1x1x2 2x1x2); writes bench3d.json and bench3d.md")
+    p.add_argument("--replay", nargs="+", default=None, metavar="CLUSTER",
+                   help="instead of timing: trace ours at each --stages and --world-sizes and replay the traces on "
+                        "modelled GPU clusters (zl.replay presets, e.g. dgx-h100 dgx-h100:2 cloud-100gbe:2); "
+                        "writes replay.json and replay.md (modelled, not measured)")
     p.add_argument("--3d", dest="three_d", action="store_true", help="the same as --meshes 2x2x1 1x1x2 2x1x2")
 
 
@@ -54,6 +60,8 @@ def cmd_bench(args) -> int:
     meshes = meshes or (["2x2x1", "1x1x2", "2x1x2"] if args.three_d else None)
     if meshes:
         return _cmd_meshes(args, meshes)
+    if args.replay:
+        return _cmd_replay(args)
     for name, (plain, sweep) in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, sweep if args.sweep else plain)
@@ -91,4 +99,19 @@ def _cmd_meshes(args, meshes) -> int:
     bench_3d(meshes=meshes, model=args.model, batch=args.batch or 8, steps=args.steps or 2,
              repeats=args.repeats or 5, warmup=args.warmup or 2, memory=args.memory, out=args.out,
              timeout=min(args.timeout, 900))
+    return 0
+
+
+def _cmd_replay(args) -> int:
+    from zerolab.bench import replay as br
+    if args.sweep or args.overlap or args.link is not None or args.models is not None:
+        raise ValueError("--replay traces ours and replays it on modelled clusters: no --sweep, --overlap, --link "
+                         "or --models")
+    result = br.replay_bench(args.replay, stages=args.stages, world_sizes=args.world_sizes or DEFAULTS["world_sizes"][0],
+                             model=args.model, batch=args.batch or DEFAULTS["batch"][0],
+                             overlap_comm=None if args.overlap_comm is None else args.overlap_comm == "on",
+                             bucket=int(args.bucket) if args.bucket else None, timeout=min(args.timeout, 900))
+    print(br.text(result), flush=True)
+    if args.out:
+        br.save(result, args.out)
     return 0

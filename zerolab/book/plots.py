@@ -7,7 +7,8 @@ into PNG bytes and ``show`` displays a figure with alt text: the widgets and
 chapters draw without pyplot, so no figure leaks out of a widget's output area.
 
 Used by: chapter 1 (``stage_memory_bars``, ``memory_bars``), chapter 2
-(``comm_bars``, ``bandwidth_curves``), chapter 6 (``plot_timeline``). The ring all-reduce's
+(``comm_bars``, ``bandwidth_curves``), chapters 3-6 and 9 (``plot_timeline``: a measured run's
+lanes and a ``zl.replay``'s, drawn alike). The ring all-reduce's
 grid (chapter 2) is drawn beside its simulation, in ``zerolab.book.ring``.
 """
 from __future__ import annotations
@@ -229,22 +230,41 @@ def bandwidth_curves(links, n, op="all_reduce", sizes=None, ax=None, title=None)
 
 # -- chapter 6 -----------------------------------------------------------------
 
-def plot_timeline(events_per_rank, ax=None, title=None, colors=None, labels=None):
+KIND_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer step": "#8172B3",
+               "all-gather": "#DD8452", "reduce-scatter": "#C44E52", "all-reduce": "#CCB974",
+               "all-to-all": "#937860", "broadcast": "#DA8BC3"}   # one colour per kind, measured or replayed
+
+
+def plot_timeline(events_per_rank, ax=None, title=None, colors=None, labels=None, ranks=None):
     """Gantt chart: one row per rank (or per ``labels`` entry), one box per event.
 
     ``events_per_rank``: list (one per row) of events, each a mapping with
     ``kind`` (e.g. "forward", "all_gather"), ``start`` and ``end`` in seconds
-    (or a tuple ``(kind, start, end)``). Times are drawn relative to the earliest.
+    (or a tuple ``(kind, start, end)``, or ``(kind, start, end, lane)`` as
+    ``engine.events.spans`` gives them). Times are drawn relative to the earliest.
     ``labels``: row names (default "rank 0", "rank 1", ...).
+
+    A ``zl.replay`` result (``theory.Replay``) is drawn the same way, from its
+    ``lanes()`` — per rank a compute, an all-gather and a reduce-scatter row, as
+    ``engine.events.lanes`` gives a measured run's — on an axis of *modelled* time;
+    ``ranks``: only these ranks' rows (default all).
     """
+    modelled = hasattr(events_per_rank, "lanes")
+    if modelled:
+        rep = events_per_rank
+        rows_in, names = rep.lanes()
+        per = len(rows_in) // max(1, len(rep.spans))       # lanes per rank
+        keep = [i for i in range(len(rows_in)) if ranks is None or i // per in ranks]
+        events_per_rank, labels = [rows_in[i] for i in keep], labels or [names[i] for i in keep]
+        title = title or f"Replayed on {rep.cluster} (modelled): {rep.step_seconds * 1e3:.1f} ms per step"
     fig, ax = new_axes(ax, figsize=(8, 1 + 0.6 * len(events_per_rank)))
     rows = [[_event(e) for e in evs] for evs in events_per_rank]
-    t0 = min((s for evs in rows for _, s, _ in evs), default=0.0)
+    t0 = 0.0 if modelled else min((s for evs in rows for _, s, _ in evs), default=0.0)
     kinds = sorted({k for evs in rows for k, _, _ in evs})
     palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
     colors = dict(colors or {})
     for i, k in enumerate(k for k in kinds if k not in colors):
-        colors[k] = palette[i % len(palette)]
+        colors[k] = KIND_COLORS.get(k, palette[i % len(palette)])
     seen = set()                                      # one legend entry per kind
     for r, evs in enumerate(rows):
         for kind in kinds:
@@ -255,7 +275,7 @@ def plot_timeline(events_per_rank, ax=None, title=None, colors=None, labels=None
                 seen.add(kind)
     ax.set_yticks(range(len(rows)), labels or [f"rank {r}" for r in range(len(rows))])
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlabel("time since first event (ms)")
+    ax.set_xlabel("modelled time since the step began (ms)" if modelled else "time since first event (ms)")
     ax.set_ylabel("" if labels else "rank")
     ax.set_title(title or "Timeline per rank")
     if seen:
@@ -268,5 +288,5 @@ def _event(e):
         return e["kind"], float(e["start"]), float(e["end"])
     if hasattr(e, "kind"):
         return e.kind, float(e.start), float(e.end)
-    kind, start, end = e
+    kind, start, end = e[:3]
     return kind, float(start), float(end)
