@@ -54,7 +54,7 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None, me
     cfg = Config.from_any(config)
     if link is not None:  # a simulated link (zerolab.theory.network) for this engine only
         cfg = dataclasses.replace(cfg, link=link)
-    communicator = Communicator(link=cfg.link) if mesh is None else mesh.communicator("dp", cfg.link)
+    communicator = Communicator(link=cfg.link) if mesh is None else mesh.communicator(mesh.grad_group, cfg.link)
     if mesh is not None and mesh.pp > 1 and cfg.zero.stage > 1:
         raise ConfigError(f"{mesh}: ZeRO-{cfg.zero.stage} with pipeline parallelism would reduce gradients (and at "
                           f"stage 3 re-gather parameters) every micro-batch; as DeepSpeed, only ZeRO-0/1 with pp > 1")
@@ -83,7 +83,7 @@ def initialize(model: nn.Module, config, link=None, *, model_parameters=None, me
     except BaseException:   # e.g. a bad nvme_path: put the model back as it was, so a retry works
         saved.restore()
         raise
-    engine.mesh = mesh   # None, or the zl.mesh whose DP group the engine shards over (3D, chapter 10)
+    engine.mesh = mesh   # None, or the zl.mesh whose DP group (dp×cp with cp > 1) the engine shards over
     for p in model.parameters():
         p._zerolab_engine = True
     return engine
