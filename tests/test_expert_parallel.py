@@ -173,3 +173,155 @@ def test_moe_memory_shards_experts_over_edp():
     assert m["total"] == 16 * 125 + 16 * 1000
     with pytest.raises(ValueError, match="ep=3 must divide dp=8"):
         moe_memory(1000, 9000, 8, 3, 3)
+
+
+# -- composed with ZeRO: dense parameters in a zl.initialize engine over DP, experts per ep rank ----------------
+STEPS, T, LR, COEF = 3, 8, 1e-2, 0.01
+MOE_K, MOE_CF = 2, 1.0   # drops tokens (checked below), so the dropped sets must agree step after step
+
+
+class Net(nn.Module):
+    """Linear -> tanh -> MoE with a residual -> Linear; returns (output, balancing loss)."""
+
+    def __init__(self, comm=None, groups=1):
+        super().__init__()
+        self.inp = nn.Linear(H, H)
+        self.moe = MoELayer(H, E, MOE_K, MOE_CF, ffn_hidden=FFN, comm=comm, groups=groups)
+        self.out = nn.Linear(H, H)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        m, aux = self.moe(h)
+        return self.out(h + m), aux
+
+
+def batch(step, dp):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(dp * T, H, generator=g), torch.randn(dp * T, H, generator=g)
+
+
+def train_reference(dp):
+    """One process, every parameter in torch.optim.Adam, the whole batch; each DP rank's slice routed alone."""
+    torch.manual_seed(0)
+    model = Net(groups=dp)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    dropped = 0
+    for step in range(STEPS):
+        x, y = batch(step, dp)
+        out, aux = model(x)
+        opt.zero_grad()
+        (F.mse_loss(out, y) + COEF * aux).backward()
+        opt.step()
+        dropped += model.moe.last["dropped"]
+    assert dropped > 0, "no token was dropped: the case does not test the capacity"
+    return model
+
+
+def _train_worker(dp, ep, stages, cases):
+    mesh = zl.mesh(dp=dp, ep=ep)
+    ep_comm, edp_comm = mesh.communicator("ep"), mesh.communicator("edp")
+    out = {"layout": (mesh.ranks("ep"), mesh.ranks("edp")), "runs": [], "cases": []}
+    for k, cf, t in cases:   # the layer alone, as _ep_worker, over this mesh's ep group
+        torch.manual_seed(0)
+        layer = MoELayer(H, E, k, cf, ffn_hidden=FFN, comm=ep_comm)
+        g = torch.Generator().manual_seed(1)
+        x_all, w_all = torch.randn(dp * t, H, generator=g), torch.randn(dp * t, H, generator=g)
+        x = x_all[mesh.dp_rank * t:(mesh.dp_rank + 1) * t].clone().requires_grad_(True)
+        y, aux = layer(x)
+        ((y * w_all[mesh.dp_rank * t:(mesh.dp_rank + 1) * t]).sum() + aux).backward()
+        reduce_expert_grads(expert_parameters(layer), edp_comm, 1)   # summed over the replicas, not averaged
+        out["cases"].append({"y": y.detach(), "dx": x.grad, "router": layer.router.weight.grad,
+                             "experts": {layer.first_expert + i: [p.grad for p in ex.parameters()]
+                                         for i, ex in enumerate(layer.experts)}, "kept": layer.last["kept"][0]})
+    for stage in stages:
+        torch.manual_seed(0)
+        model = Net(comm=ep_comm)
+        experts = detach_experts(model)
+        engine = zl.initialize(model, {"optimizer": {"type": "Adam", "params": {"lr": LR}},
+                                       "zero_optimization": {"stage": stage}}, mesh=mesh)
+        expert_opt = torch.optim.Adam(experts.parameters(), lr=LR)
+        mesh.ledger.reset()
+        for step in range(STEPS):
+            x, y = batch(step, dp)
+            lo = mesh.dp_rank * T
+            out_, aux = engine(x[lo:lo + T])
+            engine.backward(F.mse_loss(out_, y[lo:lo + T]) + COEF * aux)
+            reduce_expert_grads(experts.parameters(), edp_comm, dp)
+            expert_opt.step()
+            expert_opt.zero_grad()
+            engine.step()
+        first = model.moe.first_expert
+        out["runs"].append({"dense": engine.full_state_dict(), "engine_names": len(list(model.parameters())),
+                            "experts": {first + i: ex.state_dict() for i, ex in enumerate(experts)},
+                            "bytes": {g: mesh.ledger.total_bytes(group=g) for g in ("dp", "ep", "edp")},
+                            "dp_world": engine.world_size})
+    return out
+
+
+STAGES = (1, 3)
+
+
+@pytest.fixture(scope="module")
+def zero2():
+    return zl.launch(_train_worker, 2, args=(2, 2, STAGES, []), timeout=300, threads=1)
+
+
+@pytest.fixture(scope="module")
+def zero4():
+    return zl.launch(_train_worker, 4, args=(4, 2, STAGES, CASES[1:3]), timeout=400, threads=1)
+
+
+def _check_training(results, dp, ep):
+    want = train_reference(dp)
+    ref = want.state_dict()
+    for si, stage in enumerate(STAGES):
+        for r, res in enumerate(results):
+            run = res["runs"][si]
+            assert run["dp_world"] == dp and run["engine_names"] == 5   # inp, router, out: the experts are apart
+            assert sorted(run["dense"]) == ["inp.bias", "inp.weight", "moe.router.weight", "out.bias", "out.weight"]
+            for name, v in run["dense"].items():
+                torch.testing.assert_close(v, ref[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{stage} {name}: {m}")
+            assert sorted(run["experts"]) == [r % ep * (E // ep) + i for i in range(E // ep)]
+            for e, sd in run["experts"].items():
+                for name, v in sd.items():
+                    torch.testing.assert_close(v, ref[f"moe.experts.{e}.{name}"], rtol=1e-4, atol=1e-5,
+                                               msg=lambda m: f"stage {stage} expert {e} {name}: {m}")
+
+
+def _check_bytes(results, dp, ep):
+    psi_e = E * (2 * H * FFN + FFN + H)   # every expert's fc and proj, weights and biases
+    moe = {"tokens": T, "hidden": H, "k": MOE_K, "capacity_factor": MOE_CF, "num_experts": E, "expert_params": psi_e}
+    by = zl.theory.comm.by_axis(zl.theory.comm_breakdown(100, dp, 1, dtype_bytes=4, ep=ep, moe=moe))
+    for res in results:
+        for run in res["runs"]:
+            assert run["bytes"]["ep"] == STEPS * by["ep"] == STEPS * alltoall_bytes(T, H, MOE_K, MOE_CF, E, ep)
+            assert run["bytes"]["edp"] == STEPS * by.get("edp", 0)
+            assert (run["bytes"]["edp"] > 0) == (dp > ep)
+
+
+def test_zero_dp2_ep2_trains_as_one_process(zero2):
+    assert [r["layout"] for r in zero2] == [([0, 1], [0]), ([0, 1], [1])]
+    _check_training(zero2, 2, 2)
+    _check_bytes(zero2, 2, 2)
+
+
+def test_zero_dp4_ep2_trains_as_one_process(zero4):
+    """Two ep groups {0, 1}, {2, 3}; experts 0-1 on ranks 0 and 2 (one edp group), 2-3 on 1 and 3."""
+    assert [r["layout"] for r in zero4] == [([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]
+    _check_training(zero4, 4, 2)
+    _check_bytes(zero4, 4, 2)
+
+
+@pytest.mark.parametrize("ci", [0, 1])
+def test_layer_dp4_ep2_matches_one_process(zero4, ci):
+    k, cf, t = CASES[1:3][ci]
+    layer, y, aux, dx = reference(k, cf, t, 4)
+    got = [r["cases"][ci] for r in zero4]
+    torch.testing.assert_close(torch.cat([g["y"] for g in got]), y, rtol=0, atol=ATOL)
+    torch.testing.assert_close(torch.cat([g["dx"] for g in got]), dx, rtol=0, atol=ATOL)
+    torch.testing.assert_close(sum(g["router"] for g in got), layer.router.weight.grad, rtol=0, atol=ATOL)
+    for r, g in enumerate(got):
+        assert torch.equal(g["kept"], layer.last["kept"][r])
+        for e, grads in g["experts"].items():   # summed over edp: every rank's tokens, on every replica
+            for a, p in zip(grads, layer.experts[e].parameters()):
+                torch.testing.assert_close(a, p.grad, rtol=0, atol=ATOL, msg=lambda m: f"rank {r} expert {e}: {m}")

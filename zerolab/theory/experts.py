@@ -86,3 +86,33 @@ def active_params(dense_params, expert_params_each, num_experts, k) -> dict:
     """Total and active (used per token) parameters of a model whose MoE layers hold ``num_experts``
     experts of ``expert_params_each`` parameters in all (summed over layers), top-``k`` routed."""
     return {"total": dense_params + num_experts * expert_params_each, "active": dense_params + k * expert_params_each}
+
+
+MOE_KEYS = ("tokens", "hidden", "k", "capacity_factor", "num_experts", "layers", "expert_params", "act_bytes")
+
+
+def experts_ops(dp, ep, moe, grad_accum=1, dtype_bytes=2, gpus_per_node=None, stride=1) -> list:
+    """The experts' collectives per optimizer step on one rank, as ``comm.CommOp`` fields (``comm_breakdown``'s
+    ``ep=``, ``moe=``): ``moe`` = {"tokens": per rank and micro-batch, "hidden", "k", "capacity_factor",
+    "num_experts", "layers" (MoE layers, default 1), "expert_params" (Ψ_E, all experts of all layers; default 0:
+    no edp op), "act_bytes" (default ``dtype_bytes``)}. An ep group's ranks are ``stride`` (tp*pp) apart."""
+    if not isinstance(moe, dict) or set(moe) - set(MOE_KEYS):
+        raise ValueError(f"moe must be a dict with keys from {MOE_KEYS}, got {moe!r}")
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or dp % ep:
+        raise ValueError(f"ep must be an integer >= 1 dividing dp={dp} (carved out of the data-parallel ranks), "
+                         f"got {ep!r}")
+    m = {"layers": 1, "expert_params": 0, "act_bytes": dtype_bytes, **moe}
+    _check(m["tokens"], m["hidden"], m["k"], m["capacity_factor"], m["num_experts"], ep)
+    per_node = ep if gpus_per_node is None else min(ep, max(1, gpus_per_node // stride))
+    nodes = -(-ep // per_node)
+    ops = [dict(op="all_to_all", what="expert-tokens", group=ep, axis="ep", per_node=per_node, inter_node=nodes > 1,
+                nbytes=alltoall_tensor_bytes(m["tokens"], m["hidden"], m["k"], m["capacity_factor"],
+                                             m["num_experts"], m["act_bytes"]),
+                count=4 * m["layers"] * grad_accum,   # dispatch + combine, forward and backward
+                inter_share=(ep - per_node) / (ep - 1) if nodes > 1 else 0.0)]
+    edp = dp // ep
+    if m["expert_params"] and edp > 1:   # this rank's experts' gradients, summed over the ranks holding the same
+        ops.append(dict(op="all_reduce", what="expert-grads", group=edp, axis="edp", per_node=1,
+                        inter_node=gpus_per_node is not None and edp * ep * stride > gpus_per_node,
+                        nbytes=m["expert_params"] // ep * dtype_bytes, count=1))
+    return ops
