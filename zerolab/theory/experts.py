@@ -6,7 +6,8 @@ dispatch buffer holds E * C rows of h elements; every step it crosses the expert
 of ep ranks four times, as an all-to-all of that whole buffer:
 
     forward: dispatch (tokens to their experts' ranks), combine (outputs home);
-    backward: the same two again (an all-to-all's gradient is the same all-to-all).
+    backward: the same two again (an all-to-all's gradient is the same all-to-all; the dispatch's
+              is skipped when the layer's input needs no gradient, e.g. raw inputs: then 3).
 
 Under the ring model (``network.ring_bytes``) one rank sends (ep - 1)/ep of each all-to-all's
 tensor (the chunk for itself stays), so per layer and step
