@@ -233,6 +233,12 @@ def _train_worker(dp, ep, stages, cases):
         out["cases"].append({"y": y.detach(), "dx": x.grad, "router": layer.router.weight.grad,
                              "experts": {layer.first_expert + i: [p.grad for p in ex.parameters()]
                                          for i, ex in enumerate(layer.experts)}, "kept": layer.last["kept"][0]})
+    torch.manual_seed(0)
+    wrong = zl.initialize(Net(comm=ep_comm), {"optimizer": {"type": "Adam", "params": {"lr": LR}}}, mesh=mesh)
+    try:   # experts left inside the engine: it would average rank 0's experts with rank 1's
+        wrong(torch.randn(T, H))
+    except ValueError as e:
+        out["refusal"] = str(e)
     for stage in stages:
         torch.manual_seed(0)
         model = Net(comm=ep_comm)
@@ -300,6 +306,7 @@ def _check_bytes(results, dp, ep):
 
 
 def test_zero_dp2_ep2_trains_as_one_process(zero2):
+    assert all("call zerolab.parallel.detach_experts(model) before zl.initialize" in r["refusal"] for r in zero2)
     assert [r["layout"] for r in zero2] == [([0, 1], [0]), ([0, 1], [1])]
     _check_training(zero2, 2, 2)
     _check_bytes(zero2, 2, 2)
@@ -325,3 +332,18 @@ def test_layer_dp4_ep2_matches_one_process(zero4, ci):
         for e, grads in g["experts"].items():   # summed over edp: every rank's tokens, on every replica
             for a, p in zip(grads, layer.experts[e].parameters()):
                 torch.testing.assert_close(a, p.grad, rtol=0, atol=ATOL, msg=lambda m: f"rank {r} expert {e}: {m}")
+
+
+def test_comm_breakdown_ep_by_hand():
+    moe = {"tokens": 12, "hidden": H, "k": 1, "capacity_factor": 1.0, "num_experts": E}
+    ops = zl.theory.comm_breakdown(1000, 4, 1, dtype_bytes=4, ep=2, moe=moe)
+    by = zl.theory.comm.by_axis(ops)
+    assert by["ep"] == 4 * 384 // 2 and "edp" not in by and by["dp"] > 0   # as the ledger's first case
+    # 16 GPUs, 8 a node, one ep group of 16: 8 of each rank's 15 peers sit on the other node
+    op = next(o for o in zl.theory.comm_breakdown(1000, 16, 1, gpus_per_node=8, ep=16, moe={**moe, "num_experts": 32})
+              if o.axis == "ep")
+    assert op.inter_node and op.per_node == 8 and op.inter_share == 8 / 15
+    with pytest.raises(ValueError, match="ep must be an integer >= 1 dividing dp=4"):
+        zl.theory.comm_breakdown(1000, 4, 1, ep=3, moe=moe)
+    with pytest.raises(ValueError, match="moe must be a dict with keys from"):
+        zl.theory.comm_breakdown(1000, 4, 1, ep=2)

@@ -14,6 +14,7 @@ BYTES = f"{T}::test_ep2_ledger_bytes_equal_formula"
 ZERO2 = f"{T}::test_zero_dp2_ep2_trains_as_one_process"
 ZERO4 = f"{T}::test_zero_dp4_ep2_trains_as_one_process"
 MEM = f"{T}::test_moe_memory_shards_experts_over_edp"
+BREAKDOWN = f"{T}::test_comm_breakdown_ep_by_hand"
 
 MUTANTS = [
     Mutant("ep-aux-no-E", "zerolab/parallel/experts_gate.py",
@@ -63,5 +64,9 @@ MUTANTS = [
     Mutant("ep-breakdown-count", "zerolab/theory/experts.py",
            "count=4 * m[\"layers\"] * grad_accum,",
            "count=2 * m[\"layers\"] * grad_accum,",
-           (ZERO2,), "comm_breakdown lists the experts' forward all-to-alls only"),
+           (BREAKDOWN,), "comm_breakdown lists the experts' forward all-to-alls only"),
+    Mutant("ep-experts-inside-engine-accepted", "zerolab/parallel/experts.py",
+           'any(getattr(p, "_zerolab_engine", False) for p in self.experts.parameters())',
+           "False",
+           (ZERO2,), "experts left inside a DP engine train silently wrong (each rank's experts averaged together)"),
 ]

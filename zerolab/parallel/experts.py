@@ -117,6 +117,11 @@ class MoELayer(nn.Module):
         return self.__dict__["_detached_experts"] if "_detached_experts" in self.__dict__ else self.experts
 
     def forward(self, x):
+        if self.ep > 1 and "_detached_experts" not in self.__dict__ and \
+                any(getattr(p, "_zerolab_engine", False) for p in self.experts.parameters()):
+            raise ValueError("MoELayer: its experts are inside a zl.initialize engine, which would average each "
+                             "rank's different experts over the DP group; call zerolab.parallel.detach_experts(model) "
+                             "before zl.initialize and train them with their own optimizer (reduce_expert_grads)")
         shape = x.shape
         if shape[-1] != self.hidden:
             raise ValueError(f"MoE: the input's last dimension is {shape[-1]}, the layer's hidden size {self.hidden}")
