@@ -86,6 +86,10 @@ def test_refusals():
         MoELayer(H, E, 5, 1.0)
     with pytest.raises(ValueError, match="k must be an integer >= 1"):
         MoELayer(H, E, 0, 1.0)
+    layer = MoELayer(H, E, 1, 1.0)
+    layer.experts.double()
+    with pytest.raises(ValueError, match=r"the tokens are torch.float32 but the experts' parameters torch.float64"):
+        layer(torch.randn(4, H))
     with pytest.raises(ValueError, match="groups=3 equal slices"):
         MoELayer(H, E, 1, 1.0, groups=3)(torch.randn(4, H))
 

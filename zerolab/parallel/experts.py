@@ -147,6 +147,10 @@ class MoELayer(nn.Module):
     def _experts(self, buffer):
         """(E, S, h) slots -> the experts' outputs, each row back where it came from."""
         ep, n, s, h = self.ep, self.num_local_experts, buffer.shape[1], self.hidden
+        dtype = next(self.local_experts().parameters()).dtype
+        if dtype != buffer.dtype:   # e.g. detached fp32 experts behind a bf16 engine
+            raise ValueError(f"MoELayer: the tokens are {buffer.dtype} but the experts' parameters {dtype}; keep the "
+                             f"experts in the model's dtype (detached experts: experts.to({buffer.dtype}))")
         mine = all_to_all(buffer, self.comm, "ep-dispatch").view(ep, n, s, h)   # every rank's rows for my experts
         outs = [ex(mine[:, i].reshape(ep * s, h)).view(ep, s, h) for i, ex in enumerate(self.local_experts())]
         return all_to_all(torch.stack(outs, dim=1), self.comm, "ep-combine").view(self.num_experts, s, h)
@@ -172,7 +176,8 @@ def detach_experts(model: nn.Module) -> nn.ModuleList:
 def reduce_expert_grads(params, edp_comm, dp: int) -> None:
     """Make each expert gradient the data-parallel average: sum over the expert-data-parallel group
     ``edp_comm`` (one all-reduce of all of them; nothing when it has one rank), then divide by ``dp``,
-    the engine's 1/dp for the dense parameters (an owner's gradient already sums every ep rank's tokens)."""
+    the engine's 1/dp for the dense parameters (an owner's gradient already sums every ep rank's tokens).
+    Call it once per optimizer step, after the last micro-batch's backward, before the experts' step."""
     params = [p for p in params if p.grad is not None]
     if not params:
         return
