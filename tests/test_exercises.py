@@ -239,6 +239,21 @@ WRONG = {
             mutate("09_3d", "one_f_one_b", ("return order + [(\"B\", i) for i in range(m - warm, m)]", "return order")),
             {"complete, causal, in order, at most p - s in flight"}),
     },
+    "10_ulysses": {
+        "the sequence stays split (each rank keeps its own tokens)": (
+            mutate("10_ulysses", "held_after", ("return list(range(s)), ",
+                                                "return list(range(r * (s // cp), (r + 1) * (s // cp))), ")),
+            {"the example: 2 ranks, 8 tokens, 4 heads",
+             "the blocks tile the grid: every cell moves once, to where it is held",
+             "on real ranks: the layout and the ledger's bytes"}),
+        "sends the destination's tokens, not its own": (
+            mutate("10_ulysses", "sent", ("list(range(src * chunk, (src + 1) * chunk))",
+                                          "list(range(dst * chunk, (dst + 1) * chunk))")),
+            {"the blocks tile the grid: every cell moves once, to where it is held"}),
+        "counts the block a rank keeps as sent": (
+            mutate("10_ulysses", "a2a_bytes", (" * (cp - 1) // cp", "")),
+            {"on real ranks: the layout and the ledger's bytes"}),
+    },
 }
 
 

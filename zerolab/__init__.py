@@ -19,6 +19,7 @@ _EXPORTS = {
     "estimate_config": "zerolab.config",
     "deepspeed_estimate": "zerolab.theory.ds_estimate",
     "comm_breakdown": "zerolab.theory.comm",
+    "context_bytes": "zerolab.theory.context",           # context parallelism's bytes (chapter 11)
     "by_axis": "zerolab.theory.comm",                     # 3D: bytes per mesh group (chapter 10)
     "step_time_3d": "zerolab.theory.time3d",              # 3D: the time model's step and TFLOP/s (chapter 10)
     "step_comm_time": "zerolab.theory.comm",
@@ -49,6 +50,7 @@ _EXPORTS = {
     # tensor parallelism (chapter 10)
     "tensor_parallel": "zerolab.parallel",
     "vocab_parallel_cross_entropy": "zerolab.parallel",
+    "context_attention": "zerolab.parallel",             # context parallelism: Ulysses, ring (chapter 11)
     "MoELayer": "zerolab.parallel",                      # expert parallelism (chapter 11)
     # engines (chapters 3-9)
     "initialize": "zerolab.engine",

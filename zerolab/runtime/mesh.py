@@ -43,7 +43,8 @@ world: it is carved out of each DP group. An ``"ep"`` group is ep consecutive
 members of a DP group (the ranks that split the experts among them); an
 ``"edp"`` group (expert data parallel) is the DP-group members with the same
 index inside their ep group (the ranks holding the same experts, which average
-their gradients). ep must divide dp.
+their gradients). ep must divide dp. (With cp > 1 too, the ranks holding the same
+experts are an edp group times its cp group: the cp ranks see different tokens.)
 """
 from __future__ import annotations
 

@@ -61,7 +61,8 @@ from dataclasses import dataclass
 
 from zerolab.theory.checks import check_psi_n, mesh_share
 from zerolab.theory.comm3d import check_shape, dp_gpus_per_node, model_parallel_ops
-from zerolab.theory.experts import experts_ops
+from zerolab.theory.context import with_context
+from zerolab.theory.experts import with_experts
 from zerolab.theory.network import ring_bytes
 from zerolab.theory.nodes import get_node, node_from_links
 
@@ -131,7 +132,8 @@ def comm_breakdown(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_nod
                    quantized_weights=False, quantized_gradients=False, hpz=False,
                    units=None, weight_group=8000, gradient_group=4096, *, tp=1, pp=1, replicated=0,
                    layers=None, hidden=None, micro_batch=None, seq=None, act_bytes=None, qkv_fused=True,
-                   sequence_parallel=False, pp_rank=None, ep=1, moe=None) -> list[CommOp]:
+                   sequence_parallel=False, pp_rank=None, cp=1, cp_method="ulysses", ep=1,
+                   moe=None) -> list[CommOp]:
     """The collectives one optimizer step runs on one rank (see the module docstring).
 
     3D (chapter 10): ``n_gpus`` counts every GPU; with ``tp``/``pp`` > 1 the DP ops (``axis="dp"``)
@@ -143,19 +145,14 @@ def comm_breakdown(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_nod
     ``grad_accum`` = micro-batches per step. ``pp_rank``: the stage whose TP and PP ops to list (None:
     the one that sends the most). ``units`` and the ZeRO++ flags apply to the DP ops. Each op's
     ``bytes`` is what the engine's ledger books on that rank: ``engine.comm.total_bytes(group=axis)``.
-
-    Experts (chapter 11, ``theory.experts``): with ``ep`` > 1 ``psi`` counts the dense parameters and
-    ``moe`` describes the MoE layers (``experts_ops``); their all-to-alls are added (``axis="ep"``) and,
-    with ``moe["expert_params"]``, the expert gradients' all-reduce over the dp/ep ranks (``axis="edp"``).
+    ``cp`` > 1: ZeRO over dp·cp ranks (``axis="dp_cp"``) and the "cp" group's ops (``theory.context``).
+    Experts (chapter 11): with ``ep`` > 1 ``psi`` counts the dense parameters and ``moe`` the MoE layers;
+    their all-to-alls (``axis="ep"``) and expert-gradient all-reduce (``"edp"``) follow (``theory.experts``).
     """
     if ep != 1 or moe is not None:
-        dense = comm_breakdown(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node, quantized_weights,
-                               quantized_gradients, hpz, units, weight_group, gradient_group, tp=tp, pp=pp,
-                               replicated=replicated, layers=layers, hidden=hidden, micro_batch=micro_batch,
-                               seq=seq, act_bytes=act_bytes, qkv_fused=qkv_fused,
-                               sequence_parallel=sequence_parallel, pp_rank=pp_rank)
-        return dense + [CommOp(**d) for d in experts_ops(n_gpus // (tp * pp), ep, moe, grad_accum, dtype_bytes,
-                                                         gpus_per_node, tp * pp)]
+        return with_experts(comm_breakdown, CommOp, dict(locals()))
+    if cp != 1:
+        return with_context(comm_breakdown, CommOp, dict(locals()))
     if (tp, pp) != (1, 1):   # (replicated changes nothing without model parallelism)
         return _breakdown_3d(psi, n_gpus, stage, dtype_bytes, grad_accum, gpus_per_node,
                              dict(quantized_weights=quantized_weights, quantized_gradients=quantized_gradients,
@@ -222,8 +219,8 @@ def by_axis(ops: list[CommOp], scope: str | None = None) -> dict:
     out = {"dp": 0, "tp": 0, "pp": 0}
     for op in ops:
         inter = op.inter_bytes
-        out.setdefault(op.axis, 0)   # "ep", "edp" only where there are such ops
-        out[op.axis] += inter if scope == "inter" else op.bytes - inter if scope == "intra" else op.bytes
+        out[op.axis] = out.get(op.axis, 0) + (inter if scope == "inter" else
+                                              op.bytes - inter if scope == "intra" else op.bytes)
     return out
 
 

@@ -117,3 +117,15 @@ def experts_ops(dp, ep, moe, grad_accum=1, dtype_bytes=2, gpus_per_node=None, st
                         inter_node=gpus_per_node is not None and edp * ep * stride > gpus_per_node,
                         nbytes=m["expert_params"] // ep * dtype_bytes, count=1))
     return ops
+
+
+def with_experts(breakdown, op_class, args: dict) -> list:
+    """``comm_breakdown(**args)`` with ``args["ep"]`` > 1 or ``args["moe"]`` (``theory.comm`` passes itself and
+    ``CommOp``): the dense ops, then ``experts_ops`` over the n/(tp·pp) data-parallel ranks."""
+    ep, moe = args.pop("ep"), args.pop("moe")
+    if args.get("cp", 1) != 1:
+        raise ValueError("comm_breakdown: experts (ep=, moe=) with cp > 1 are not modelled (the ranks holding the "
+                         "same experts would be an edp group times its cp group)")
+    mp = args["tp"] * args["pp"]
+    return breakdown(**args) + [op_class(**d) for d in experts_ops(args["n_gpus"] // mp, ep, moe, args["grad_accum"],
+                                                                    args["dtype_bytes"], args["gpus_per_node"], mp)]
