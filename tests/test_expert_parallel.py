@@ -351,3 +351,5 @@ def test_comm_breakdown_ep_by_hand():
         zl.theory.comm_breakdown(1000, 4, 1, ep=3, moe=moe)
     with pytest.raises(ValueError, match="moe must be a dict with keys from"):
         zl.theory.comm_breakdown(1000, 4, 1, ep=2)
+    with pytest.raises(ValueError, match="experts .ep=, moe=. with cp > 1 are not modelled"):
+        zl.theory.comm_breakdown(1000, 8, 1, cp=2, ep=2, moe=moe, layers=1, hidden=H, micro_batch=1, seq=8)
