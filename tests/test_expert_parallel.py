@@ -99,6 +99,7 @@ def _ep_worker(cases):
     comm = Communicator(name="ep")
     n, r = comm.world_size, comm.rank
     out = {}
+    out["default_local"] = MoELayer(H, E, 1, 1.0).num_local_experts   # no comm: ep = 1 even with 2 ranks running
     try:
         MoELayer(H, 3, 1, 1.0, comm=comm)
     except ValueError as e:
@@ -167,6 +168,7 @@ def test_ep2_ledger_bytes_equal_formula(ep2):
             assert g["bytes"] == alltoall_bytes(t, H, k, cf, E, 2, dtype_bytes=4), (CASES[ci], g["bytes"])
     # by hand, the first case: C = ceil(12/4) = 3, the buffer 4*3*8 fp32 = 384 bytes, half of it sent, 4 times
     assert ep2[0]["cases"][0]["bytes"] == 4 * 384 // 2
+    assert [r["default_local"] for r in ep2] == [E, E]
     assert ep2[0]["refusal"].startswith("MoE: num_experts=3 is not divisible by the expert-parallel group size ep=2")
 
 

@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerolab.parallel.experts_gate import check_gate, route
-from zerolab.runtime.comm import Communicator
 
 
 class AllToAll(torch.autograd.Function):
@@ -65,6 +64,15 @@ def all_to_all(x, comm, tag="ep"):
     return AllToAll.apply(x, comm, tag) if comm.world_size > 1 else x
 
 
+class _OneRank:
+    """The ep group of a layer given no communicator: this rank alone (ep = 1, every expert here), also when
+    ``torch.distributed`` is running (a world ``Communicator`` would split the experts over every rank)."""
+    rank, world_size, name = 0, 1, "ep"
+
+
+ONE_RANK = _OneRank()
+
+
 class Expert(nn.Module):
     """One expert: the transformer MLP, ``Linear(h, f) -> GELU -> Linear(f, h)``."""
 
@@ -79,6 +87,7 @@ class Expert(nn.Module):
 class MoELayer(nn.Module):
     """A mixture of ``num_experts`` experts, top-``k`` routed, experts spread over ``comm``'s ranks.
 
+    ``comm``: the ep group's ``Communicator`` (None: ep = 1 on this rank, whatever the world).
     ``forward(x)`` takes (..., hidden) and returns ``(y, aux)``: y of x's shape, and the
     load-balancing loss (add ``coefficient * aux`` to the loss; Switch uses 0.01). ``expert``: a
     module copied E times (DeepSpeed's way: every expert starts equal), else E ``Expert(hidden,
@@ -92,7 +101,7 @@ class MoELayer(nn.Module):
                  ffn_hidden: int | None = None, expert: nn.Module | None = None, comm=None, groups: int = 1):
         super().__init__()
         check_gate(num_experts, k, capacity_factor)
-        comm = comm if comm is not None else Communicator(name="ep")
+        comm = comm if comm is not None else ONE_RANK
         ep = comm.world_size
         if num_experts % ep:
             raise ValueError(f"MoE: num_experts={num_experts} is not divisible by the expert-parallel group size "
@@ -175,14 +184,14 @@ def detach_experts(model: nn.Module) -> nn.ModuleList:
 
 def reduce_expert_grads(params, edp_comm, dp: int) -> None:
     """Make each expert gradient the data-parallel average: sum over the expert-data-parallel group
-    ``edp_comm`` (one all-reduce of all of them; nothing when it has one rank), then divide by ``dp``,
+    ``edp_comm`` (one all-reduce of all of them; nothing when it has one rank or is None), then divide by ``dp``,
     the engine's 1/dp for the dense parameters (an owner's gradient already sums every ep rank's tokens).
     Call it once per optimizer step, after the last micro-batch's backward, before the experts' step."""
     params = [p for p in params if p.grad is not None]
     if not params:
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    if edp_comm.world_size > 1:
+    if edp_comm is not None and edp_comm.world_size > 1:
         edp_comm.all_reduce(flat, tag="edp-grads")
     flat /= dp
     for p, piece in zip(params, flat.split([p.numel() for p in params])):
