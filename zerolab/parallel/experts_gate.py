@@ -11,7 +11,8 @@ layer on it. For T tokens, E experts, top-k and capacity factor c:
   first choices first (every token's first choice in token order, then every second choice), as
   DeepSpeed's top-2 gate does; an assignment that finds its expert full is *dropped*: it adds
   nothing to the token's output (a token dropped by every choice gets zero from the layer and
-  keeps only the residual connection around it, as in GShard and DeepSpeed);
+  keeps only the residual connection around it, as in GShard and DeepSpeed). DeepSpeed also raises
+  C to ``min_capacity`` (4 by default) and picks slots at random (``use_rts``); zerolab does neither;
 * the load-balancing loss (Switch Transformer, eq. 4; GShard): ``aux = E * sum_e f_e * P_e``, with
   f_e the fraction of tokens whose first choice is e (before drops) and P_e the mean router
   probability of e. It is 1 when both are uniform and grows as tokens pile onto a few experts.
