@@ -51,6 +51,7 @@ _EXPORTS = {
     "tensor_parallel": "zerolab.parallel",
     "vocab_parallel_cross_entropy": "zerolab.parallel",
     "context_attention": "zerolab.parallel",             # context parallelism: Ulysses, ring (chapter 11)
+    "MoELayer": "zerolab.parallel",                      # expert parallelism (chapter 11)
     # engines (chapters 3-9)
     "initialize": "zerolab.engine",
     "gathered_parameters": "zerolab.engine",

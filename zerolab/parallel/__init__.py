@@ -12,11 +12,14 @@ globs over module names; ``tp_dims`` / ``gather_tp``: the full state back),
 inside a split region: their gradients all-reduced over TP), ``rng`` (the dropout RNG tracker),
 ``cross_entropy`` (the loss over vocabulary-split logits),
 ``pipeline`` (``pipeline_stage``, the GPipe and 1F1B schedules, ``train_batch``),
-``context`` (context parallelism: ``context_ulysses``' all-to-alls, ``context_ring``'s ring attention).
+``context`` (context parallelism: ``context_ulysses``' all-to-alls, ``context_ring``'s ring attention),
+``experts`` (expert parallelism, chapter 11: ``MoELayer``, its experts over the mesh's ep group; ``experts_gate``:
+top-k, capacity, the balancing loss).
 """
 from zerolab.parallel.check import TensorParallelCheckError
 from zerolab.parallel.context import (ContextParallelAttention, ContextParallelLM, context_attention,
                                       ring_attention, split_sequence, ulysses_attention)
+from zerolab.parallel.experts import MoELayer, detach_experts, expert_parameters, reduce_expert_grads
 from zerolab.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerolab.parallel.ops import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
                                   reduce_scatter_to_sequence, scatter_to_sequence, vocab_parallel_cross_entropy)
@@ -32,4 +35,4 @@ __all__ = ["TensorParallelCheckError", "replicated_in_split_params", "ColumnPara
            "HF_LLAMA_PLAN", "tensor_parallel", "tp_dims", "gather_tp", "gather_3d",
            "pipeline_stage", "schedule", "split_blocks", "train_batch",
            "ContextParallelAttention", "ContextParallelLM", "context_attention", "ring_attention", "split_sequence",
-           "ulysses_attention"]
+           "ulysses_attention", "MoELayer", "detach_experts", "expert_parameters", "reduce_expert_grads"]

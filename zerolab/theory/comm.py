@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from zerolab.theory.checks import check_psi_n, mesh_share
 from zerolab.theory.comm3d import check_shape, dp_gpus_per_node, model_parallel_ops
 from zerolab.theory.context import with_context
+from zerolab.theory.experts import with_experts
 from zerolab.theory.network import ring_bytes
 from zerolab.theory.nodes import get_node, node_from_links
 
@@ -131,7 +132,8 @@ def comm_breakdown(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_nod
                    quantized_weights=False, quantized_gradients=False, hpz=False,
                    units=None, weight_group=8000, gradient_group=4096, *, tp=1, pp=1, replicated=0,
                    layers=None, hidden=None, micro_batch=None, seq=None, act_bytes=None, qkv_fused=True,
-                   sequence_parallel=False, pp_rank=None, cp=1, cp_method="ulysses") -> list[CommOp]:
+                   sequence_parallel=False, pp_rank=None, cp=1, cp_method="ulysses", ep=1,
+                   moe=None) -> list[CommOp]:
     """The collectives one optimizer step runs on one rank (see the module docstring).
 
     3D (chapter 10): ``n_gpus`` counts every GPU; with ``tp``/``pp`` > 1 the DP ops (``axis="dp"``)
@@ -144,7 +146,11 @@ def comm_breakdown(psi, n_gpus, stage, dtype_bytes=2, grad_accum=1, gpus_per_nod
     the one that sends the most). ``units`` and the ZeRO++ flags apply to the DP ops. Each op's
     ``bytes`` is what the engine's ledger books on that rank: ``engine.comm.total_bytes(group=axis)``.
     ``cp`` > 1: ZeRO over dp·cp ranks (``axis="dp_cp"``) and the "cp" group's ops (``theory.context``).
+    Experts (chapter 11): with ``ep`` > 1 ``psi`` counts the dense parameters and ``moe`` the MoE layers;
+    their all-to-alls (``axis="ep"``) and expert-gradient all-reduce (``"edp"``) follow (``theory.experts``).
     """
+    if ep != 1 or moe is not None:
+        return with_experts(comm_breakdown, CommOp, dict(locals()))
     if cp != 1:
         return with_context(comm_breakdown, CommOp, dict(locals()))
     if (tp, pp) != (1, 1):   # (replicated changes nothing without model parallelism)

@@ -2,8 +2,9 @@
 
 DeepSpeed moves each expert-parallel parameter (one its MoE layer marked
 ``allreduce = False``) into a group of its own; other parameters stay where they
-are. zerolab has no expert-parallel parameters, so a model's groups come back as
-DeepSpeed returns them for a model without MoE layers: a list, the same groups.
+are. The door has no expert-parallel parameters (``zerolab.parallel.MoELayer``'s train beside the engine,
+chapter 11), so a model's groups come back as DeepSpeed returns them for a model without MoE layers: a list,
+the same groups.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group
         moe = [p for p in group["params"] if is_moe_param(p)]
         if moe:
             raise NotImplementedError("split_params_into_different_moe_groups_for_optimizer: parameters marked "
-                                      "allreduce=False (expert-parallel) are not supported by zerolab, which has no "
-                                      "expert parallelism; train the experts as ordinary data-parallel parameters")
+                                      "allreduce=False (expert-parallel) are not supported by the DeepSpeed door, "
+                                      "whose engine would average them over every DP rank; train zerolab.parallel."
+                                      "MoELayer's experts beside zl.initialize (detach_experts, reduce_expert_grads), "
+                                      "or the experts as ordinary data-parallel parameters")
         group["params"] = list(group["params"])
     return param_groups
