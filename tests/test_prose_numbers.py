@@ -69,6 +69,13 @@ ALLOWED = [
     ("07_offload", "40", "about **40% slower**", SOURCE_CLAIM),
     ("07_offload", "40", '"48 GB → 12 GB, 40% slower" anecdote', SOURCE_CLAIM),
     ("07_offload", "4.0", "PCIe 4.0 x16", "a standard's version (PCIe 4.0), not a quantity"),
+    ("11_context_experts", "2412.19437", "arXiv:2412.19437", "an arXiv identifier cited as a source"),
+    ("11_context_experts", "2024", "(DeepSeek-AI 2024, sections", "a citation's year"),
+    ("11_context_experts", "3.3", "sections 2.1.2 and 3.3", "section numbers of a cited report"),
+    ("11_context_experts", "7B", "Mixtral 8×7B is", "a model's name (Mixtral 8×7B)"),
+    ("11_context_experts", "47B", "47B parameters", "the figure the model is known by, quoted; the cell under the answer computes 46.7B total, 12.9B active"),
+    ("11_context_experts", "47B", "the memory of a 47B one", "the figure the model is known by, quoted; the cell under the answer computes 46.7B total, 12.9B active"),
+    ("11_context_experts", "13B", "as fast as a 13B dens", "the figure the model is known by, quoted; the cell under the answer computes 12.9B active"),
 ]
 
 
