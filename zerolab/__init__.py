@@ -49,6 +49,7 @@ _EXPORTS = {
     # tensor parallelism (chapter 10)
     "tensor_parallel": "zerolab.parallel",
     "vocab_parallel_cross_entropy": "zerolab.parallel",
+    "recompute": "zerolab.parallel.recompute",             # activation recomputation: full, selective
     # engines (chapters 3-9)
     "initialize": "zerolab.engine",
     "gathered_parameters": "zerolab.engine",
