@@ -176,3 +176,44 @@ def test_modes_set_and_unset_the_hooks():
     assert model.recompute == "full" and {b.attn.recompute for b in model.blocks} == {"none"}
     zl.recompute(model, "none")
     assert model.recompute == "none" and {b.attn.recompute for b in model.blocks} == {"none"}
+
+
+# ---------------------------------------------------------------- exercise 10: graded, wrong answers rejected
+EXERCISE = "10_recompute_budget"
+
+
+def _answer(name, *edits):
+    from zerolab.grading import exercises as ex
+    nb = ex.read(ex.solution_path(EXERCISE))
+    src = next(c.source for c in nb.cells if ex.meta(c).get("answer") == name)
+    for old, new in edits:
+        assert old in src, f"{name}: {old!r} not in the solution"
+        src = src.replace(old, new)
+    return {name: src}
+
+
+@pytest.mark.slow
+def test_exercise_grader_passes_the_solution_and_rejects_wrong_answers():
+    from zerolab.grading import exercises as ex
+    from zerolab.grading import grader
+    wrong = {   # label: (answers, the checks that must fail)
+        "full forgets the layer being recomputed": (
+            _answer("kept_bytes", ("return L * d * sbh + layer", "return L * d * sbh")),
+            {"Korthikanti's bytes per mode", "every choice fits and follows the rules"}),
+        "selective keeps the scores too": (
+            _answer("kept_bytes", ("return L * sbh * (16 * d + 2)", "return L * layer")),
+            {"your formula against what TinyGPT keeps", "every choice fits and follows the rules"}),
+        "most recomputation first": (
+            _answer("choose_recompute", ("for mode, b in largest.items():", "for mode, b in reversed(largest.items()):")),
+            {"the least recomputation that reaches the target"}),
+    }
+    nb = ex.read(ex.solution_path(EXERCISE))
+    stubs = {ex.meta(c)["answer"]: ex.meta(c)["stub"] for c in nb.cells if ex.ANSWER in ex.tags(c)}
+    reports = grader.grade_variants(EXERCISE, {"solution": {}, "stub": stubs,
+                                               **{k: a for k, (a, _) in wrong.items()}})
+    assert reports["solution"].passed and len(reports["solution"].checks) >= 4, reports["solution"].text()
+    assert not any(c.passed for c in reports["stub"].checks), reports["stub"].text()
+    for label, (_, must_fail) in wrong.items():
+        rep = reports[label]
+        assert not rep.passed, f"wrong answer {label!r} passed:\n{rep.text()}"
+        assert must_fail <= rep.failed_checks(), (label, sorted(rep.failed_checks()))
