@@ -109,7 +109,7 @@ class Estimate:
 
 def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
              offload_optimizer="none", offload_param="none", hpz_partition_size=1, frozen=0,
-             tp=1, pp=1, replicated=0) -> Estimate:
+             tp=1, pp=1, replicated=0, cp=1, ep=1, expert_params=0) -> Estimate:
     """Per-rank bytes of params, grads and optimizer state under ZeRO ``stage``.
 
     Chapter 1 derives it (16Ψ in mixed-precision Adam, split by stage).
@@ -122,7 +122,18 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
     ``tp``, ``pp`` (3D, chapter 10): ``n_gpus`` counts every GPU; ZeRO shards each rank's
     model-parallel slice over n_gpus/(tp·pp) ranks (``checks.mesh_share``; ``replicated``: the
     parameters every TP rank keeps whole).
+    ``cp`` (context parallelism): the cp ranks of one (dp, pp, tp) coordinate hold the same
+    parameters, so ZeRO shards over dp·cp = n_gpus/(tp·pp) ranks, as before; ``cp`` only has to
+    divide that (Megatron's distributed optimizer shards over data x context parallel ranks too).
+    ``ep``, ``expert_params`` (mixture of experts): ``expert_params`` of the ``psi`` are expert
+    weights. Expert parallelism is carved out of the data-parallel ranks (it does not multiply
+    n_gpus): each rank holds 1/ep of the experts (1/(tp·pp·ep) of ``expert_params``) and ZeRO
+    shards them over the n_gpus/(tp·pp·ep) ranks that hold the same experts; the dense
+    ``psi - expert_params`` are counted as above.
     """
+    if (cp, ep, expert_params) != (1, 1, 0):
+        return _with_experts(psi, n_gpus, stage, precision, optimizer, offload_optimizer, offload_param,
+                             hpz_partition_size, frozen, tp, pp, replicated, cp, ep, expert_params)
     if (tp, pp, replicated) != (1, 1, 0):
         psi_mp, n_dp = mesh_share(psi, n_gpus, tp, pp, replicated)
         est = estimate(psi_mp, n_dp, stage, precision, optimizer, offload_optimizer, offload_param,
@@ -162,6 +173,37 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
                     grads=grads if stage < 2 or not host_grads else 0,
                     host=off["cpu"] + host_grads, nvme=off["nvme"],
                     optimizer=0 if offload_optimizer != "none" else optim, hpz=hpz, frozen_params=frozen_bytes)
+
+
+def _with_experts(psi, n, stage, precision, optimizer, offload_optimizer, offload_param, hpz, frozen,
+                  tp, pp, replicated, cp, ep, experts) -> Estimate:
+    """``estimate`` with context and expert parallelism: the dense and the expert parameters each
+    sharded over their own data-parallel group, the bytes added."""
+    psi, n = check_psi_n(psi, n)
+    for name, v in (("cp", cp), ("ep", ep)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if isinstance(experts, bool) or not isinstance(experts, (int, float)) or not 0 <= experts < psi \
+            or experts != int(experts):
+        raise ValueError(f"expert_params must be a whole number of parameters in 0..psi-1 ({psi - 1}), "
+                         f"got {experts!r}")
+    experts = int(experts)
+    if n % (tp * pp * cp):
+        raise ValueError(f"n_gpus={n} is not a multiple of tp*pp*cp = {tp * pp * cp}: the DP size "
+                         f"n_gpus/(tp*pp*cp) must be a whole number")
+    if (n // (tp * pp * cp)) % ep:
+        raise ValueError(f"ep={ep} must divide dp = n_gpus/(tp*pp*cp) = {n // (tp * pp * cp)}: expert "
+                         f"parallelism is carved out of the data-parallel ranks")
+    if ep > 1 and not experts:
+        raise ValueError(f"ep={ep} needs expert_params > 0: the parameters expert parallelism splits")
+    args = (precision, optimizer, offload_optimizer, offload_param, hpz)
+    dense = estimate(psi - experts, n, stage, *args, frozen, tp, pp, replicated)
+    if not experts:
+        return replace(dense, psi=psi)
+    slice_, n_edp = mesh_share(experts, n, tp, pp * ep)
+    moe = estimate(slice_, n_edp, stage, *args)
+    add = {k: getattr(dense, k) + getattr(moe, k) for k in ("params", "grads", "optimizer", "host", "nvme", "hpz")}
+    return replace(dense, psi=psi, **add)
 
 
 def gathered_working_set(largest_layer, precision="mixed") -> int:
