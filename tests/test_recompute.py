@@ -3,15 +3,13 @@
 * Bytes: what autograd saves for backward, measured with ``saved_tensors_hooks`` (each storage once,
   parameters left out) on TinyGPT; per layer = (a 4-layer model's bytes - a 2-layer model's) / 2, so the
   embeddings, final LayerNorm and head drop out. Checked against Korthikanti et al.'s formula, written out
-  below (the shared one, ``activation_memory``, is used as well once it takes ``recompute=``), plus the one
+  below and through the shared ``activation_memory(..., recompute=)``, plus the one
   thing TinyGPT keeps that the formula leaves out: each LayerNorm's mean and 1/std, one value per token.
 * Math: parameters after a few Adam steps with dropout on are bit-identical to no recomputation, in one
   process and under 2-rank ZeRO-2 and ZeRO-3 engines (a recomputation drawing a new dropout mask fails).
 * FLOPs: counted with ``FlopCounterMode`` over forward + backward; the extra is ``recompute_flops``.
 """
 from __future__ import annotations
-
-import inspect
 
 import pytest
 import torch
@@ -70,11 +68,14 @@ def test_bytes_kept_per_layer_equal_korthikanti(dtype, d, dropout, flash):
     assert got == want
     if not flash:   # the numbers the formula's d = 2 form gives: sbh(34 + 5as/h) without recomputation
         assert got["selective"] < got["none"] and got["full"] * 8 < got["selective"]
-    if "recompute" in inspect.signature(activation_memory).parameters and dropout and not flash:
-        one = {m: activation_memory(1, H, A, S, B, dtype_bytes=d, recompute=m) for m in ("none", "selective")}
-        assert {m: got[m] - layernorm_stats(S, B, d) for m in one} == one
-        full = [activation_memory(n, H, A, S, B, dtype_bytes=d, recompute="full") for n in (2, 4)]
-        assert (full[1] - full[0]) // 2 == got["full"]
+    # the shared formula, directly: zl.activation_memory(..., recompute=mode), one layer (full: the kept input
+    # per layer, the difference between 4 and 2 layers); less its two 1-byte sbh masks without dropout
+    masks = 0 if dropout else 2 * S * B * H
+    one = {m: activation_memory(1, H, A, S, B, dtype_bytes=d, flash_attention=flash, recompute=m) - masks
+           for m in ("none", "selective")}
+    assert {m: got[m] - layernorm_stats(S, B, d) for m in one} == one
+    full = [activation_memory(n, H, A, S, B, dtype_bytes=d, flash_attention=flash, recompute="full") for n in (2, 4)]
+    assert (full[1] - full[0]) // 2 == got["full"]
 
 
 def test_the_formula_at_d2_is_34_and_5():
