@@ -218,3 +218,10 @@ def test_exercise_grader_passes_the_solution_and_rejects_wrong_answers():
         rep = reports[label]
         assert not rep.passed, f"wrong answer {label!r} passed:\n{rep.text()}"
         assert must_fail <= rep.failed_checks(), (label, sorted(rep.failed_checks()))
+
+
+def test_deepspeeds_activation_checkpointing_section_points_to_recompute():
+    cfg = zl.Config.from_deepspeed({"activation_checkpointing": {"partition_activations": True}})
+    assert cfg.ignored == ("activation_checkpointing",)
+    assert any("zl.recompute(model" in n for n in cfg.notes), cfg.notes
+    assert not any("zl.recompute" in n for n in zl.Config.from_deepspeed({}).notes)
