@@ -225,3 +225,40 @@ def test_deepspeeds_activation_checkpointing_section_points_to_recompute():
     assert cfg.ignored == ("activation_checkpointing",)
     assert any("zl.recompute(model" in n for n in cfg.notes), cfg.notes
     assert not any("zl.recompute" in n for n in zl.Config.from_deepspeed({}).notes)
+
+
+def _hf_zero3_worker(steps):
+    from hf_util import build, batch, loss_of
+    rank, out = torch.distributed.get_rank(), {}
+    for mode in ("none", "full"):
+        model = zl.recompute(build("gpt2"), mode)
+        engine = zl.initialize(model, {"optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {
+            "stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 4000}})
+        for step in range(steps):
+            kw, y = batch("gpt2", step, rank, 2)
+            engine.backward(loss_of(engine(**kw), y))
+            engine.step()
+        out[mode] = engine.full_state_dict()
+        engine.close()
+    return out
+
+
+def test_hugging_face_full_recomputation_one_process_and_under_zero3():
+    pytest.importorskip("transformers")
+    from hf_util import batch, build, loss_of
+    kept, grads = {}, {}
+    for mode in ("none", "full"):
+        model = zl.recompute(build("gpt2"), mode)
+        kw, y = batch("gpt2", 0)
+        kept[mode], out = saved_bytes(lambda: model(**kw), exclude=list(model.parameters()))
+        loss_of(out, y).backward()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+    print(f"Hugging Face GPT-2 (2 layers): bytes kept for backward {kept}")
+    assert kept["full"] * 5 < kept["none"] and max_diff(grads["full"], grads["none"]) == 0.0
+    assert zl.recompute(model, "none").is_activation_checkpointing is False
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no module that can recompute 'selective'"):
+        zl.recompute(model, "selective")
+    for res in zl.launch(_hf_zero3_worker, 2, args=(2,), timeout=300, threads=1):
+        diff = max_diff(res["full"], res["none"])
+        print(f"Hugging Face GPT-2, ZeRO-3 on 2 ranks: max |parameter difference| full vs none: {diff}")
+        assert diff <= 1e-6

@@ -48,17 +48,27 @@ def recompute(model: torch.nn.Module, mode: str = "full") -> torch.nn.Module:
     """Set ``model``'s recomputation to ``mode`` ("none" | "selective" | "full"); returns the model.
 
     Every submodule whose class lists ``mode`` in ``recompute_modes`` runs that part under ``checkpoint``;
-    the others are set to "none". Call it before or after ``zl.initialize`` (the engine runs the model's
-    own forward)."""
+    the others are set to "none". A Hugging Face model: "full" is its ``activation_checkpointing_enable``
+    (non-reentrant: each decoder layer recomputed), "selective" is refused by name. Call it before or after
+    ``zl.initialize`` (the engine runs the model's own forward)."""
     if mode not in MODES:
         raise ValueError(f"recompute: mode must be one of {MODES}, got {mode!r}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"recompute: expected a torch.nn.Module (the model), got {type(model).__name__}")
     able = [m for m in model.modules() if getattr(type(m), "recompute_modes", None)]
+    if not able and getattr(model, "supports_gradient_checkpointing", False) and mode != "selective":
+        new = hasattr(model, "activation_checkpointing_enable")   # transformers 5's name; 4's below
+        if mode == "full":   # a Hugging Face model: its own layer checkpointing, non-reentrant (ZeRO-3's hooks)
+            kw = {"use_reentrant": False}
+            model.activation_checkpointing_enable(kw) if new else model.gradient_checkpointing_enable(kw)
+        else:
+            model.activation_checkpointing_disable() if new else model.gradient_checkpointing_disable()
+        return model
     if mode != "none" and not any(mode in m.recompute_modes for m in able):
         raise ValueError(f"recompute={mode!r}: {type(model).__name__} has no module that can recompute {mode!r} "
                          f"(a module opts in with a class attribute recompute_modes and runs that part through "
-                         f"zerolab.parallel.recompute.checkpoint; TinyGPT: 'full', its Attention: 'selective')")
+                         f"zerolab.parallel.recompute.checkpoint; TinyGPT: 'full', its Attention: 'selective'; a "
+                         f"Hugging Face model: 'full')")
     if mode != "none" and getattr(model, "tp_rng", None) is not None:
         raise ValueError(f"recompute={mode!r} under tensor parallelism's RNG tracker is not supported: the "
                          f"tracker's hooks would advance its random states again during the recomputation")
