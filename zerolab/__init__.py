@@ -52,6 +52,7 @@ _EXPORTS = {
     "vocab_parallel_cross_entropy": "zerolab.parallel",
     "context_attention": "zerolab.parallel",             # context parallelism: Ulysses, ring (chapter 11)
     "MoELayer": "zerolab.parallel",                      # expert parallelism (chapter 11)
+    "recompute": "zerolab.parallel.recompute",             # activation recomputation: full, selective
     # engines (chapters 3-9)
     "initialize": "zerolab.engine",
     "gathered_parameters": "zerolab.engine",

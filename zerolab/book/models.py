@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from zerolab.parallel.recompute import checkpoint
+
 # name -> TinyGPT keyword arguments; parameter counts are tested
 PRESETS = {
     "micro": dict(vocab=128, n_layer=2, n_head=2, d_model=32, seq_len=16),     # ~0.03M
@@ -47,39 +49,60 @@ class Attention(nn.Module):
     q, k and v are separate projections so the key bias can be left out: its
     true gradient is exactly zero (softmax ignores a per-query constant
     q.b_k added to every score), so under Adam it only amplifies rounding.
+    ``recompute = "selective"`` (``zl.recompute``) runs ``core`` again in backward.
     """
+    recompute_modes, recompute = ("selective",), "none"
 
-    def __init__(self, d_model: int, n_head: int, bias: bool = True, key_bias: bool = True):
+    def __init__(self, d_model: int, n_head: int, bias: bool = True, key_bias: bool = True,
+                 dropout: float = 0.0, flash_attention: bool = True):
         super().__init__()
         assert d_model % n_head == 0, f"d_model {d_model} not divisible by n_head {n_head}"
-        self.n_head = n_head
+        self.n_head, self.dropout, self.flash_attention = n_head, dropout, flash_attention
         self.q = nn.Linear(d_model, d_model, bias=bias)
         self.k = nn.Linear(d_model, d_model, bias=bias and key_bias)
         self.v = nn.Linear(d_model, d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
+    def core(self, q, k, v):
+        """softmax(q kᵀ/√hs, causal) -> dropout -> · v on (B, nh, T, hs): what selective recomputation
+        recomputes. ``flash_attention``: one fused kernel, no T x T tensor kept; otherwise the
+        textbook tensors Korthikanti et al. count (scores' softmax, its dropout mask and output)."""
+        p = self.dropout if self.training else 0.0
+        if self.flash_attention:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        T = q.shape[-2]
+        causal = torch.full((T, T), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+        return dropout(((q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5 + causal).softmax(-1), p) @ v
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T = x.shape[:2]
         # the head size from q's width: under tensor parallelism q, k, v hold n_head/tp heads (chapter 10)
         heads = lambda t: t.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        y = checkpoint(self.core, q, k, v) if self.recompute == "selective" else self.core(q, k, v)
+        return dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)), self.dropout if self.training else 0.0)
+
+
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout keeping a 1-byte mask for backward, as GPU kernels do (torch's CPU F.dropout keeps a float one)."""
+    return torch.native_dropout(x, p, True)[0] if p else x
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)); 12 C^2 weights."""
 
-    def __init__(self, d_model: int, n_head: int, bias: bool = True, key_bias: bool = True):
+    def __init__(self, d_model: int, n_head: int, bias: bool = True, key_bias: bool = True,
+                 dropout: float = 0.0, flash_attention: bool = True):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, n_head, bias, key_bias)
+        self.attn = Attention(d_model, n_head, bias, key_bias, dropout, flash_attention)
         self.ln2 = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, 4 * d_model, bias=bias)
         self.out = nn.Linear(4 * d_model, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + dropout(self.out(F.gelu(self.fc(self.ln2(x)))), self.attn.dropout if self.training else 0.0)
 
 
 class TinyGPT(nn.Module):
@@ -88,18 +111,22 @@ class TinyGPT(nn.Module):
     ``tie_weights``: the output head reuses the token embedding (one
     parameter used twice — an edge case every sharded engine must handle).
     ``key_bias=False`` drops the attention key bias (see ``Attention``) so
-    equivalence tests compare only parameters with real gradients.
+    equivalence tests compare only parameters with real gradients. ``dropout``:
+    attention and residual dropout (GPT-2's places); ``flash_attention=False``:
+    the unfused attention. ``recompute = "full"`` (``zl.recompute``): blocks recomputed.
     Initialisation depends only on ``seed``, never on the global RNG.
     """
+    recompute_modes, recompute = ("full",), "none"
 
     def __init__(self, vocab: int = 1536, n_layer: int = 4, n_head: int = 4, d_model: int = 64,
                  seq_len: int = 32, tie_weights: bool = True, bias: bool = True,
-                 key_bias: bool = True, seed: int = 0):
+                 key_bias: bool = True, seed: int = 0, dropout: float = 0.0, flash_attention: bool = True):
         super().__init__()
         self.vocab, self.seq_len = vocab, seq_len
         self.wte = nn.Embedding(vocab, d_model)        # (vocab, C)
         self.wpe = nn.Embedding(seq_len, d_model)      # (T, C)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, bias, key_bias) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, bias, key_bias, dropout, flash_attention)
+                                    for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         with torch.random.fork_rng(devices=[]):
@@ -124,7 +151,7 @@ class TinyGPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)              # (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x) if self.recompute == "full" else block(x)
         return self.head(self.ln_f(x))                 # (B, T, vocab)
 
 

@@ -125,6 +125,9 @@ class Config:
                               f"of {mbs * gas}")
         if ignored:
             cfg.notes += (f"accepted but not implemented by zerolab (ignored): {', '.join(ignored)}",)
+        if "activation_checkpointing" in ignored:   # its keys tune DeepSpeed's checkpoint; none chooses what
+            cfg.notes += ("activation_checkpointing: what is recomputed is the model's choice; zerolab's switch is "
+                          "zl.recompute(model, 'full' | 'selective')",)
         return cfg if world_size is None else cfg.with_world_size(world_size)
 
     def with_world_size(self, world_size: int) -> "Config":

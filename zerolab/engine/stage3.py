@@ -202,7 +202,10 @@ class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, UnitO
                     self._grads_left = list(self._n_params)
             self._use(units)
             self._running.append(units)
-            if not root and index >= 0 and torch.is_grad_enabled():   # reduced when its backward is done
+            # reduced when its backward is done; a forward inside backward is a recomputation (activation
+            # checkpointing): the backward under way is its own, so it adds no call to wait for, and the unit
+            # it gathers stays gathered for that backward (released when its gradients are in)
+            if not root and index >= 0 and torch.is_grad_enabled() and not self._in_backward:
                 self.watch_backward(index, args, kwargs)
             if frozen and torch.is_grad_enabled():   # frozen twins: released once the inputs have gradients
                 self.watch_inputs(frozen, args, kwargs)
@@ -218,7 +221,7 @@ class Stage3Engine(GatheredMixin, Prefetcher, FrozenTwins, ReduceWhenDone, UnitO
             if root and not self._tracing:
                 self.release_all()
             for i in units:
-                if (root or i not in self._root_units) and i not in self._pinned:
+                if (root or i not in self._root_units) and i not in self._pinned and not self._in_backward:
                     self._done_with(i)
 
         def pre_backward(_grad):

@@ -14,7 +14,8 @@ inside a split region: their gradients all-reduced over TP), ``rng`` (the dropou
 ``pipeline`` (``pipeline_stage``, the GPipe and 1F1B schedules, ``train_batch``),
 ``context`` (context parallelism: ``context_ulysses``' all-to-alls, ``context_ring``'s ring attention),
 ``experts`` (expert parallelism, chapter 11: ``MoELayer``, its experts over the mesh's ep group; ``experts_gate``:
-top-k, capacity, the balancing loss).
+top-k, capacity, the balancing loss),
+``recompute`` (``zl.recompute``: activation recomputation, full or selective).
 """
 from zerolab.parallel.check import TensorParallelCheckError
 from zerolab.parallel.context import (ContextParallelAttention, ContextParallelLM, context_attention,
