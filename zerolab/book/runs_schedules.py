@@ -1,7 +1,7 @@
 """Chapter 10's modern pipeline schedules (interleaved 1F1B, zero bubble): runs and the figure, kept out of the cells.
 
-* ``train_run(kind, v, steps, m)``: TinyGPT "micro" with 4 layers (untied head) on ``zl.launch``'s
-  2 ranks as a pipeline (``pipeline_stage(model, mesh, virtual=v)``), trained ``steps`` Adam steps of
+* ``train_runs([(kind, v), ...], steps, m)`` (one schedule: ``train_run(kind, v, steps, m)``): TinyGPT
+  "micro" with 4 layers (untied head) on ``zl.launch``'s 2 ranks as a pipeline (``pipeline_stage(model, mesh, virtual=v)``), trained ``steps`` Adam steps of
   ``m`` micro-batches with ``train_batch(..., kind)``; returns the whole model's state (both ranks'
   parameters under their original names) and the losses. ``reference(steps, m)``: the same steps
   in one process. ``max_difference(a, b)``: the largest |difference| between two states.
@@ -39,26 +39,36 @@ def batches(model, step, m):
     return [(x[i * ROWS:(i + 1) * ROWS], y[i * ROWS:(i + 1) * ROWS]) for i in range(m)]
 
 
-def _train_worker(kind, v, steps, m):
+def _train_worker(cases, steps, m):
     from zerolab.book.models import loss_fn
     mesh = make_mesh(pp=2)
-    model = gpt()
-    stage = pipeline_stage(model, mesh, virtual=v)
-    opt = torch.optim.Adam(stage.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        losses.append(train_batch(stage, mesh, batches(model, step, m), loss_fn, kind))
-        opt.step()
-    return {"state": {n: t.detach().clone() for n, t in stage.state_dict().items()}, "losses": losses,
-            "sends": mesh.ledger.count("send")}
+    out = {}
+    for kind, v in cases:
+        model = gpt()
+        stage = pipeline_stage(model, mesh, virtual=v)
+        opt = torch.optim.Adam(stage.parameters(), lr=LR)
+        losses, sent = [], mesh.ledger.count("send")
+        for step in range(steps):
+            opt.zero_grad()
+            losses.append(train_batch(stage, mesh, batches(model, step, m), loss_fn, kind))
+            opt.step()
+        out[kind] = {"state": {n: t.detach().clone() for n, t in stage.state_dict().items()}, "losses": losses,
+                     "sends": mesh.ledger.count("send") - sent}
+    return out
+
+
+def train_runs(cases, steps: int = 3, m: int = 4) -> dict:
+    """{kind: the pipeline's trained model} for each (kind, v) of ``cases``, one launch of 2 ranks
+    (module docstring): {"state", "losses", "sends" per rank}."""
+    results = launch(_train_worker, 2, args=(list(cases), steps, m), timeout=300, threads=1)
+    return {kind: {"state": {**results[0][kind]["state"], **results[1][kind]["state"]},
+                   "losses": results[0][kind]["losses"], "sends": [r[kind]["sends"] for r in results]}
+            for kind, _ in cases}
 
 
 def train_run(kind: str, v: int = 1, steps: int = 3, m: int = 4) -> dict:
-    """The pipeline's trained model on 2 ranks (module docstring): {"state", "losses", "sends" per rank}."""
-    results = launch(_train_worker, 2, args=(kind, v, steps, m), timeout=300, threads=1)
-    return {"state": {**results[0]["state"], **results[1]["state"]}, "losses": results[0]["losses"],
-            "sends": [r["sends"] for r in results]}
+    """One schedule's ``train_runs``."""
+    return train_runs([(kind, v)], steps, m)[kind]
 
 
 def reference(steps: int = 3, m: int = 4) -> dict:
@@ -126,7 +136,7 @@ def _timeline_worker(kind, v, m, secs, steps):
     return out[1:]
 
 
-def timeline_run(kind: str, v: int = 1, m: int = 4, secs: float = 0.05, steps: int = 2) -> dict:
+def timeline_run(kind: str, v: int = 1, m: int = 4, secs: float = 0.1, steps: int = 2) -> dict:
     """Measured on 2 ranks: per step the bubble over both ranks (``pipeline_bubble``), and the last
     step's per-rank stats."""
     res = launch(_timeline_worker, 2, args=(kind, v, m, secs, steps), timeout=300, threads=1)
@@ -158,6 +168,7 @@ def schedule_figure(p: int = 4, m: int = 8, v: int = 2):
                 ax.text(float(a + e) / 2, r, str(i), ha="center", va="center", fontsize=6, color="white")
         end = max(float(e[4]) for ops in timeline for e in ops)
         idle = idle_time(timeline)
+        ax.set_xlim(0, 3 * m + 3 * (p - 1) + 0.5)                 # 1F1B's step: the longest
         ax.set_ylim(p - 0.5, -0.5)
         ax.set_yticks(range(p), [f"rank {r}" for r in range(p)], fontsize=7)
         ax.set_ylabel("rank", fontsize=7)
