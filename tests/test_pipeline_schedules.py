@@ -120,9 +120,21 @@ def test_bad_input_refused_by_name():
         pipeline_stage(nn.Sequential(nn.Linear(2, 2)), types.SimpleNamespace(pp=1, pp_rank=0), virtual=0)
     with pytest.raises(ValueError, match="pipeline schedule must be one of"):
         schedule("zb-h2", 4, 2, 0)
+    with pytest.raises(ValueError, match="interleaving needs a pipeline \\(pp >= 2\\), got pp=1"):
+        pipeline_stage(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), types.SimpleNamespace(pp=1, pp_rank=0),
+                       virtual=2)
     data = [(torch.randn(2, 2), torch.randn(2, 2))]
     with pytest.raises(ValueError, match="the 'interleaved' schedule runs a stage cut into chunks"):
         train_batch(nn.Sequential(nn.Linear(2, 2)), None, data, nn.functional.mse_loss, "interleaved")
+    chunked = pipeline_stage(nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)]), types.SimpleNamespace(pp=2, pp_rank=0),
+                             virtual=2)
+    with pytest.raises(ValueError, match="this stage holds 2 chunks \\(virtual stages\\): run it with the "
+                                         "'interleaved' schedule, not '1f1b'"):
+        train_batch(chunked, None, data, nn.functional.mse_loss, "1f1b")
+    # an engine (anything with backward, gas, step) runs one whole backward per micro-batch
+    engine = types.SimpleNamespace(backward=None, gas=1, step=None, module=nn.Linear(2, 2), keeps_full_grads=True)
+    with pytest.raises(ValueError, match="the 'zb-h1' schedule runs on a plain stage module"):
+        train_batch(engine, None, data, nn.functional.mse_loss, "zb-h1")
 
 
 def test_b_then_w_gives_autograd_gradients_bit_for_bit():

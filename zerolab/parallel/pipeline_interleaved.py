@@ -97,6 +97,8 @@ def chunked_stage(model, mesh, v: int) -> ChunkedStage:
     """This rank's v chunks of ``model`` (an ``nn.Sequential`` or list of blocks, or a GPT-shaped model
     with ``wte, wpe, blocks, ln_f, head``); ``pipeline_stage(model, mesh, virtual=v)`` calls it."""
     p, r = mesh.pp, mesh.pp_rank
+    if p < 2:
+        raise ValueError(f"pipeline_stage(virtual={v}): interleaving needs a pipeline (pp >= 2), got pp={p}")
     gpt = all(hasattr(model, a) for a in ("wte", "wpe", "blocks", "ln_f", "head"))
     if gpt:
         if p > 1 and model.head.weight is model.wte.weight:
