@@ -170,6 +170,10 @@ def test_trains_to_single_process_parameters(kind, v, reference):
     # interleaved: every virtual stage but the last sends its activation, every one but the first its
     # input's gradient: 2 (p·v - 1) m sends in all, against 1F1B's 2 (p - 1) m; 3 steps
     assert sum(run["sends"]) == 3 * 2 * (2 * v - 1) * 4
+    # ZB-H1's W really holds the weight gradients: one deferred pass per Linear and micro-batch, on each rank
+    # (stage 0: 2 blocks of 6 Linears; stage 1: 2 blocks and the head); none without the split
+    want = [4 * n for n in run["linears"]] if kind == "zb-h1" else [0, 0]
+    assert run["weight_passes"] == want and run["linears"] == [12, 13]
 
 
 @pytest.fixture(scope="module")

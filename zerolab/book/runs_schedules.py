@@ -3,7 +3,8 @@
 * ``train_runs([(kind, v), ...], steps, m)`` (one schedule: ``train_run(kind, v, steps, m)``): TinyGPT
   "micro" with 4 layers (untied head) on ``zl.launch``'s 2 ranks as a pipeline (``pipeline_stage(model, mesh, virtual=v)``), trained ``steps`` Adam steps of
   ``m`` micro-batches with ``train_batch(..., kind)``; returns the whole model's state (both ranks'
-  parameters under their original names) and the losses. ``reference(steps, m)``: the same steps
+  parameters under their original names), the losses, per rank the sends, the Linears it holds and the
+  deferred weight passes its last step's W operations ran. ``reference(steps, m)``: the same steps
   in one process. ``max_difference(a, b)``: the largest |difference| between two states.
 * ``SleepBlock``: a Linear that *sleeps* ``secs`` in forward, in B and in W (its W filed through
   ``pipeline_zb.deferred()`` under a split backward, else slept inside the backward), so that the
@@ -53,7 +54,8 @@ def _train_worker(cases, steps, m):
             losses.append(train_batch(stage, mesh, batches(model, step, m), loss_fn, kind))
             opt.step()
         out[kind] = {"state": {n: t.detach().clone() for n, t in stage.state_dict().items()}, "losses": losses,
-                     "sends": mesh.ledger.count("send") - sent}
+                     "sends": mesh.ledger.count("send") - sent, "weight_passes": stage.pipeline_stats["weight_passes"],
+                     "linears": sum(isinstance(q, nn.Linear) for q in stage.modules())}
     return out
 
 
@@ -62,7 +64,9 @@ def train_runs(cases, steps: int = 3, m: int = 4) -> dict:
     (module docstring): {"state", "losses", "sends" per rank}."""
     results = launch(_train_worker, 2, args=(list(cases), steps, m), timeout=300, threads=1)
     return {kind: {"state": {**results[0][kind]["state"], **results[1][kind]["state"]},
-                   "losses": results[0][kind]["losses"], "sends": [r[kind]["sends"] for r in results]}
+                   "losses": results[0][kind]["losses"], "sends": [r[kind]["sends"] for r in results],
+                   "weight_passes": [r[kind]["weight_passes"] for r in results],
+                   "linears": [r[kind]["linears"] for r in results]}
             for kind, _ in cases}
 
 

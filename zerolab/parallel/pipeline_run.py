@@ -82,7 +82,7 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b") -> f
         first, last = j == 0, j == V - 1
         if op == "W":
             with rec.op("W", i, c):
-                run_w(stores.pop((i, c)))
+                rec.weight_passes += run_w(stores.pop((i, c)))
             continue
         if op == "F":
             x = batches[i][0] if first else _leaf(link.recv((j - 1) % p, _tag(v, "F", j)))

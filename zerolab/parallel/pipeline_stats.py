@@ -8,6 +8,8 @@
   the ranks' traces can be laid side by side). Only the computation is timed: waiting
   for a neighbour's activation or gradient falls between operations, in the bubble.
   ``chunks``: each operation's chunk (interleaved schedules; 0 otherwise), in the trace's order.
+  ``weight_passes``: how many deferred weight-gradient passes (one per Linear and micro-batch) the W
+  operations ran (0 without a split backward).
 * ``in_flight_max``: the most micro-batches (per chunk) whose forward has run and backward not yet
   (with a split backward: whose W has not).
 * ``activation_peak_bytes``: measured with ``torch.autograd.graph.saved_tensors_hooks``:
@@ -38,6 +40,7 @@ class StepRecorder:
 
     def __init__(self, params, split: bool = False):
         self.start, self.split = time.perf_counter(), split   # split: a micro-batch's W ends it, not its B
+        self.weight_passes = 0
         self.trace, self.chunks, self.saved, self.in_flight, self.in_flight_max, self.peak = [], [], {}, 0, 0, 0
         self.param_storages = {p.untyped_storage().data_ptr() for p in params}
 
@@ -72,7 +75,8 @@ class StepRecorder:
     def stats(self) -> dict:
         busy = sum(end - start for _, _, start, end in self.trace)
         end = max((e for *_, e in self.trace), default=self.start)
-        return {"trace": list(self.trace), "chunks": list(self.chunks), "start": self.start, "busy": busy,
+        return {"trace": list(self.trace), "chunks": list(self.chunks), "weight_passes": self.weight_passes,
+                "start": self.start, "busy": busy,
                 "in_flight_max": self.in_flight_max, "activation_peak_bytes": self.peak,
                 "bubble": 1.0 - busy / (end - self.start) if end > self.start else 0.0}
 
