@@ -10,7 +10,8 @@ one forward and one backward in turn: at most p - s in flight); ``"interleaved"`
 contiguous share of the blocks each stage keeps. ``P2P``: sends and receives between
 neighbouring stages (a tensor or a tuple of tensors, any dtype and number of dimensions: a header
 says which), each payload booked under ``group="pp"``; a ``tag`` keeps apart the streams that share a
-pair of ranks (interleaved: activations and gradients of several chunks; gloo matches by tag).
+pair of ranks (interleaved: activations and gradients of several chunks; gloo matches by tag — NCCL
+ignores tags, so the interleaved schedule is run and tested on gloo's CPU ranks only).
 """
 from __future__ import annotations
 
