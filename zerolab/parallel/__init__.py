@@ -11,7 +11,8 @@ globs over module names; ``tp_dims`` / ``gather_tp``: the full state back),
 ``check`` (the conversion checked against the plain model), ``regions`` (whole parameters
 inside a split region: their gradients all-reduced over TP), ``rng`` (the dropout RNG tracker),
 ``cross_entropy`` (the loss over vocabulary-split logits),
-``pipeline`` (``pipeline_stage``, the GPipe and 1F1B schedules, ``train_batch``),
+``pipeline`` (``pipeline_stage``, the GPipe and 1F1B schedules, ``train_batch``; interleaved 1F1B in
+``pipeline_interleaved``, zero bubble's B/W split and ZB-H1 in ``pipeline_zb``),
 ``context`` (context parallelism: ``context_ulysses``' all-to-alls, ``context_ring``'s ring attention),
 ``experts`` (expert parallelism, chapter 11: ``MoELayer``, its experts over the mesh's ep group; ``experts_gate``:
 top-k, capacity, the balancing loss),

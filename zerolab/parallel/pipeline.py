@@ -28,7 +28,12 @@ Schedules (``pipeline_schedule.py``; lists of ("F" | "B", micro-batch) per stage
 ``"gpipe"`` — every forward, then every backward (m micro-batches' activations in
 flight); ``"1f1b"`` — p - s - 1 warm-up forwards on stage s, then one forward and
 one backward in turn, then the remaining backwards (at most p - s in flight).
-The bubble is (p - 1)/(m + p - 1) of the step in both.
+The bubble is (p - 1)/(m + p - 1) of the step in both. Modern schedules, on a plain stage module:
+``"interleaved"`` — Megatron-LM's virtual stages, v chunks per rank (``pipeline_stage(model, mesh,
+virtual=v)``; ``pipeline_interleaved.py``), bubble (p - 1)/(v·m + p - 1); ``"zb-h1"`` — zero bubble:
+the backward split into B (the input's gradient) and W (the weights', deferred to fill the bubble;
+``pipeline_zb.py``), bubble (p-1)(f+b-w) in time against 1F1B's (p-1)(f+b+w). Each schedule's
+formula against its order simulated with unit costs: ``theory/bubble.py``.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from zerolab.parallel.pipeline_interleaved import chunked_stage
 from zerolab.parallel.pipeline_run import pipeline_bubble, train_batch
 from zerolab.parallel.pipeline_schedule import SCHEDULES, P2P, schedule, split_blocks
 
@@ -69,12 +75,17 @@ class GPTStage(nn.Module):
         return self.head(self.ln_f(x)) if self.last else x
 
 
-def pipeline_stage(model, mesh) -> nn.Module:
-    """This rank's stage of ``model`` (``mesh.pp`` stages, ``mesh.pp_rank`` this one)."""
+def pipeline_stage(model, mesh, virtual: int = 1) -> nn.Module:
+    """This rank's stage of ``model`` (``mesh.pp`` stages, ``mesh.pp_rank`` this one); with ``virtual`` = v > 1
+    its v chunks for the interleaved schedule (``pipeline_interleaved.chunked_stage``)."""
     p, s = mesh.pp, mesh.pp_rank
     if is_stage(model):
         raise ValueError(f"pipeline_stage: {type(model).__name__} is already stage {model.pipeline_position[0]} of "
                          f"{model.pipeline_position[1]}; pass the whole model")
+    if not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"pipeline_stage: virtual (model chunks per rank) must be an int >= 1, got {virtual!r}")
+    if virtual > 1:
+        return chunked_stage(model, mesh, virtual)
     if all(hasattr(model, a) for a in ("wte", "wpe", "blocks", "ln_f", "head")):
         lo, hi = split_blocks(len(model.blocks), p)[s]
         tied = p > 1 and model.head.weight is model.wte.weight

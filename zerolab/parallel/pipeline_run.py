@@ -20,13 +20,25 @@ The loss returned is the mean over the micro-batches and the DP group, the same 
 every rank (broadcast from the last stage, booked under "pp"; the DP mean, a
 bookkeeping all-reduce, in ``ledger.control``). ``stage.pipeline_stats`` (or ``engine.pipeline_stats``): what the step
 measured (``pipeline_stats.py``).
+
+The modern schedules run on a plain stage module (gradients in ``.grad``; the caller's optimizer
+steps): ``"interleaved"`` on a stage cut into v chunks (``pipeline_stage(model, mesh, virtual=v)``;
+each action names its chunk, virtual stage j = chunk·p + rank receives from j - 1 and sends to
+j + 1, around the ranks), ``"zb-h1"`` with the backward split: the forward runs under
+``split_linears`` (``pipeline_zb.py``), "B" sends the input's gradient back, "W" (``run_w``)
+adds the deferred weight gradients later. An engine reduces and steps inside its one backward
+per micro-batch: those schedules refuse it by name.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from zerolab.parallel.pipeline_interleaved import ChunkedStage
 from zerolab.parallel.pipeline_schedule import P2P, schedule
 from zerolab.parallel.pipeline_stats import StepRecorder, pipeline_bubble
+from zerolab.parallel.pipeline_zb import run_w, split_linears
 
 __all__ = ["train_batch", "pipeline_bubble"]
 
@@ -55,27 +67,39 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b") -> f
     if tied and engine is not None and not engine.keeps_full_grads:
         raise ValueError(f"train_batch: a weight tied across pipeline stages needs ZeRO-0/1's whole local "
                          f"gradients (zero_optimization.stage 0 or 1); stage {engine.stage} keeps only a shard")
-    order = schedule(schedule_kind, m, p, s)
-    link, first, last = (P2P(mesh) if p > 1 else None), s == 0, s == p - 1
-    rec = StepRecorder(module.parameters())
-    inputs, outputs, losses = {}, {}, []
-    last_b = max(k for k, (op, _) in enumerate(order) if op == "B")
-    for k, (op, i) in enumerate(order):
+    v = module.v if isinstance(module, ChunkedStage) else 1
+    _check_kind(schedule_kind, v, engine)
+    # the exercise's harness replaces `schedule` by a function of (kind, m, p, s): v is passed only when > 1
+    order = schedule(schedule_kind, m, p, s) if v == 1 else schedule(schedule_kind, m, p, s, v)
+    V, split = p * v, schedule_kind == "zb-h1"
+    link = P2P(mesh) if p > 1 else None
+    rec = StepRecorder(module.parameters(), split=split)
+    inputs, outputs, losses, stores = {}, {}, [], {}
+    last_b = max(k for k, (op, *_) in enumerate(order) if op == "B")
+    for k, action in enumerate(order):
+        op, i, c = (*action, 0)[:3]
+        j = c * p + s                                   # this action's virtual stage (v = 1: the stage)
+        first, last = j == 0, j == V - 1
+        if op == "W":
+            with rec.op("W", i, c):
+                rec.weight_passes += run_w(stores.pop((i, c)))
+            continue
         if op == "F":
-            x = batches[i][0] if first else _leaf(link.recv(s - 1))
-            with rec.op("F", i):
-                y = stage(x)
+            x = batches[i][0] if first else _leaf(link.recv((j - 1) % p, _tag(v, "F", j)))
+            deferring = split_linears(stores.setdefault((i, c), [])) if split else contextlib.nullcontext()
+            with rec.op("F", i, c), deferring:
+                y = module.forward_chunk(c, x) if v > 1 else stage(x)
                 if last:
                     y = loss_fn(y, batches[i][1])
                     losses.append(y.detach().float())
             if not last:
-                link.send(y, s + 1)
-            inputs[i], outputs[i] = x, y
+                link.send(y, (j + 1) % p, _tag(v, "F", j + 1))
+            inputs[(i, c)], outputs[(i, c)] = x, y
             continue
-        x, y = inputs.pop(i), outputs.pop(i)
-        grad = link.recv(s + 1) if not last and _floats(y) else None
+        x, y = inputs.pop((i, c)), outputs.pop((i, c))
+        grad = link.recv((j + 1) % p, _tag(v, "B", j)) if not last and _floats(y) else None
         defer = bool(tied) and engine is not None and k == last_b
-        with rec.op("B", i):
+        with rec.op("B", i, c):
             if last:
                 target = y if engine is not None else y / m   # an engine divides by its gas itself
             else:   # an engine divides what it is given by gas: the gradient received already was
@@ -87,7 +111,7 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b") -> f
             else:
                 engine.backward(target)
         if not first and _floats(x):   # before the step: at the boundary it all-reduces the norm over PP too
-            link.send(_input_grads(x), s - 1)
+            link.send(_input_grads(x), (j - 1) % p, _tag(v, "B", j - 1))
         if defer:
             _sum_tied_then_reduce(engine, mesh, tied)
         if engine is not None:
@@ -98,7 +122,7 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b") -> f
             mesh.communicator("embed").all_reduce(params[name].grad, tag="tied-grad")
     if link is not None:
         link.wait()
-    loss = torch.stack(losses).mean() if last else torch.zeros((), dtype=torch.float32)
+    loss = torch.stack(losses).mean() if s == p - 1 else torch.zeros((), dtype=torch.float32)
     if p > 1:
         mesh.communicator("pp").broadcast(loss, src=p - 1, tag="pipeline-loss")
     dp = engine.communicator if engine is not None else (mesh.communicator("dp") if mesh is not None else None)
@@ -106,6 +130,25 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b") -> f
         dp.all_reduce(loss, op="avg", tag="pipeline-loss", control=True)   # bookkeeping: in ledger.control
     stage.pipeline_stats = rec.stats()
     return float(loss)
+
+
+def _check_kind(kind: str, v: int, engine) -> None:
+    if kind == "interleaved" and v == 1:
+        raise ValueError("train_batch: the 'interleaved' schedule runs a stage cut into chunks: "
+                         "pipeline_stage(model, mesh, virtual=v) with v >= 2")
+    if v > 1 and kind != "interleaved":
+        raise ValueError(f"train_batch: this stage holds {v} chunks (virtual stages): run it with the "
+                         f"'interleaved' schedule, not {kind!r}")
+    if engine is not None and kind in ("interleaved", "zb-h1"):
+        raise ValueError(f"train_batch: the {kind!r} schedule runs on a plain stage module (gradients in .grad, "
+                         f"your optimizer steps); an engine reduces and steps inside one whole backward per "
+                         f"micro-batch")
+
+
+def _tag(v: int, op: str, j: int) -> int:
+    """The point-to-point tag of what virtual stage ``j`` receives: its input ("F") or its output's gradient
+    ("B"); 0 without chunks (one stream per direction and pair of ranks)."""
+    return 0 if v == 1 else 2 * j + (1 if op == "F" else 2)
 
 
 def _floats(t) -> list:

@@ -3,23 +3,37 @@
 ``schedule(kind, m, p, s)``: the order stage ``s`` of ``p`` runs ``m`` micro-batches'
 forwards and backwards — ``"gpipe"`` (every forward, then every backward: m
 micro-batches' activations in flight) or ``"1f1b"`` (p - s - 1 warm-up forwards, then
-one forward and one backward in turn: at most p - s in flight). ``split_blocks``: the
+one forward and one backward in turn: at most p - s in flight); ``"interleaved"``
+(``schedule(kind, m, p, s, v)``: ("F" | "B", micro-batch, chunk) over v chunks per rank,
+``pipeline_interleaved.py``) and ``"zb-h1"`` (the backward split into "B" and "W",
+``pipeline_zb.py``). ``split_blocks``: the
 contiguous share of the blocks each stage keeps. ``P2P``: sends and receives between
 neighbouring stages (a tensor or a tuple of tensors, any dtype and number of dimensions: a header
-says which), each payload booked under ``group="pp"``.
+says which), each payload booked under ``group="pp"``; a ``tag`` keeps apart the streams that share a
+pair of ranks (interleaved: activations and gradients of several chunks; gloo matches by tag — NCCL
+ignores tags, so the interleaved schedule is run and tested on gloo's CPU ranks only).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from zerolab.parallel.pipeline_interleaved import interleaved_order
+from zerolab.parallel.pipeline_zb import zb_h1_order
 from zerolab.runtime.comm import CommRecord
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 
 
-def schedule(kind: str, m: int, p: int, s: int) -> list:
-    """The order stage ``s`` of ``p`` runs ``m`` micro-batches' forwards ("F", i) and backwards ("B", i)."""
+def schedule(kind: str, m: int, p: int, s: int, v: int = 1) -> list:
+    """The order stage ``s`` of ``p`` runs ``m`` micro-batches' forwards ("F", i) and backwards ("B", i)
+    (module docstring; ``v`` chunks per rank: the interleaved schedule only)."""
+    if kind == "interleaved":
+        return interleaved_order(m, p, s, v)
+    if v != 1:
+        raise ValueError(f"virtual={v} chunks per rank need the 'interleaved' schedule, not {kind!r}")
+    if kind == "zb-h1":
+        return zb_h1_order(m, p, s)
     if kind == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
     if kind != "1f1b":
@@ -69,33 +83,33 @@ class P2P:
                                                    inter_bytes=nbytes * (op == "send" and peer // k != self.mesh.rank // k),
                                                    group="pp"))
 
-    def send(self, t, stage):
+    def send(self, t, stage, tag: int = 0):
         peer, is_tuple = self.ranks[stage], isinstance(t, (tuple, list))
         parts = [q.detach().contiguous() for q in tensors(t, f"what is sent to pipeline stage {stage}")]
         head = [int(is_tuple), len(parts)]
         for q in parts:
             head += [DTYPES.index(q.dtype), q.dim(), *q.shape]
         for h in (torch.tensor([len(head)], dtype=torch.int64), torch.tensor(head, dtype=torch.int64)):
-            self.pending.append((dist.isend(h, peer), h))
+            self.pending.append((dist.isend(h, peer, tag=tag), h))
         for q in parts:
             if q.numel():
-                self.pending.append((dist.isend(q, peer), q))
+                self.pending.append((dist.isend(q, peer, tag=tag), q))
             self._book("send", q, peer)
 
-    def recv(self, stage):
-        """The tensor (or tuple) the neighbouring ``stage`` sent, in its dtype and shape."""
+    def recv(self, stage, tag: int = 0):
+        """The tensor (or tuple) the neighbouring ``stage`` sent (with ``tag``), in its dtype and shape."""
         peer = self.ranks[stage]
         n = torch.empty(1, dtype=torch.int64)
-        dist.recv(n, peer)
+        dist.recv(n, peer, tag=tag)
         head = torch.empty(int(n), dtype=torch.int64)
-        dist.recv(head, peer)
+        dist.recv(head, peer, tag=tag)
         head, parts, k = head.tolist(), [], 2
         for _ in range(head[1]):
             dtype, ndim = DTYPES[head[k]], head[k + 1]
             q = torch.empty(head[k + 2:k + 2 + ndim], dtype=dtype)
             k += 2 + ndim
             if q.numel():
-                dist.recv(q, peer)
+                dist.recv(q, peer, tag=tag)
             self._book("recv", q, peer)
             parts.append(q)
         return tuple(parts) if head[0] else parts[0]

@@ -12,7 +12,7 @@ stage, Table 1), ``activations``, ``ds_estimate`` (DeepSpeed's estimator), ``com
 topology model), ``published`` (the node model against published figures), ``plan``
 (``choose_stage``), ``offload``, ``hardware`` (the presets: nodes, PCIe, NVMe, CPU Adam), ``replay`` (a traced
 run's schedule on a modelled cluster; ``replay_scale``: placement and a target's size; ``shapes``: transformer
-shapes and presets). Nothing here imports
+shapes and presets; ``bubble``: pipeline schedules simulated with unit costs against their bubble formulas). Nothing here imports
 anything of zerolab's outside this folder.
 """
 from zerolab.theory.activations import activation_memory
