@@ -64,11 +64,14 @@ def test_trainer_accumulation_sets_the_boundary_and_steps_only_there(tmp_path):
 
 @pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed is not installed")
 def test_the_recipe_matches_deepspeed_step_for_step(zerolab_logs, tmp_path):
-    rc, text, _ = run("deepspeed", tmp_path)
-    assert rc != 0 and "train_batch_size" in text, "DeepSpeed on a CPU refuses the recipe's auto batch size"
-    rc, text, theirs = run("deepspeed", tmp_path, "--no-auto-batch")
+    rc, text, theirs = run("deepspeed", tmp_path)
+    if rc != 0 and "train_batch_size" in text:   # some transformers/accelerate releases fill it for one process
+        rc, text, theirs = run("deepspeed", tmp_path, "--no-auto-batch")
     assert rc == 0, text
+    print("\nTrainer ZeRO-2 + CPU optimizer: zerolab / DeepSpeed loss, lr, grad norm")
     for ours, ref in zip(zerolab_logs, theirs, strict=True):
+        print(f"  {ours['loss']:.6f} / {ref['loss']:.6f}  {ours['learning_rate']:.2e} / {ref['learning_rate']:.2e}  "
+              f"{ours['grad_norm']:.5f} / {ref['grad_norm']:.5f}")
         assert ours["learning_rate"] == pytest.approx(ref["learning_rate"], abs=1e-12)
         assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4)
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)

@@ -119,7 +119,10 @@ def test_zero3_trainer_matches_deepspeed_step_for_step(zerolab_run, tmp_path):
     assert rc == 0, text
     a, b = logs(ours, "logs.json"), logs(theirs, "logs.json")
     assert sorted(a) == sorted(b)
+    print("\nTrainer ZeRO-3 from_pretrained: step, zerolab / DeepSpeed loss, lr, grad norm")
     for s in a:
+        print(f"  {s} {a[s]['loss']:.6f} / {b[s]['loss']:.6f}  {a[s]['learning_rate']:.2e} / "
+              f"{b[s]['learning_rate']:.2e}  {a[s]['grad_norm']:.5f} / {b[s]['grad_norm']:.5f}")
         assert a[s]["learning_rate"] == pytest.approx(b[s]["learning_rate"], abs=1e-12)
         assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-4)
         assert a[s]["grad_norm"] == pytest.approx(b[s]["grad_norm"], rel=1e-3)
