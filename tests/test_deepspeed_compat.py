@@ -38,7 +38,7 @@ def _names(row: str):
 OWNERS = {"engine": (DeepSpeedEngine, PipelineEngine), "optimizer": (DeepSpeedOptimizer,),
           "lr_scheduler": (DeepSpeedScheduler,)}
 # set per instance in DeepSpeedEngine.__init__, not class attributes
-INSTANCE = {"local_rank"}
+INSTANCE = {"local_rank", "config"}
 
 
 def _owner(owner: str):

@@ -83,8 +83,23 @@ TABLE = [
      "groups come back as DeepSpeed returns them for a model without MoE layers; expert-parallel parameters "
      "refused"),
     ("deepspeed.moe.layer.MoE", REFUSED,
-     "no expert parallelism: build the experts as an ordinary module (ZeRO shards them) and mark the block "
-     "with set_z3_leaf_modules at stage 3"),
+     "DeepSpeed's layer (its random token selection, allreduce=False parameters) is not served; expert "
+     "parallelism itself is zerolab.parallel.MoELayer (top-k with capacity, the balancing loss, all-to-all over "
+     "the mesh's ep group), beside a zl.initialize engine"),
+    ("engine.zero_gather_16bit_weights_on_model_save / _zero3_consolidated_16bit_state_dict", SUPPORTED,
+     "what Accelerate and Trainer.save_model call at ZeRO-3: the config's flag, and the whole model in the "
+     "compute dtype on rank 0, gathered a unit at a time"),
+    ("engine.config", SUPPORTED, "the user's config dict, as DeepSpeed keeps it (transformers reads it)"),
+    ("deepspeed.runtime.zero.partition_parameters", DIFFERS,
+     "the module path transformers reaches into under ZeRO-3; Init is zero.Init, which casts parameters when it "
+     "partitions them and wraps no tensor constructor, so the wrapper transformers swaps has nothing to change"),
+    ("Hugging Face Trainer with a DeepSpeed config (stages 2 and 3, from_pretrained under zero.Init, save_model, "
+     "resume)", SUPPORTED,
+     "runs unchanged under zerolab-deepspeed; equal to DeepSpeed step for step (tests/test_hf_trainer_door.py, "
+     "test_hf_trainer_zero3.py)"),
+    ("Accelerate loop with DeepSpeedPlugin (client optimizer, or DummyOptim/DummyScheduler)", SUPPORTED,
+     "runs unchanged under zerolab-deepspeed; equal to DeepSpeed step for step (tests/test_accelerate_door.py); "
+     "on CPU ranks Accelerate needs InitProcessGroupKwargs(backend='gloo') with either library"),
     ("deepspeed.ops.adam.FusedAdam / DeepSpeedCPUAdam", DIFFERS,
      "accepted as initialize(optimizer=...) (Accelerate's offload path builds DeepSpeedCPUAdam) and read into "
      "the config; their own step() is refused: the engine updates"),
