@@ -8,6 +8,7 @@ out of the config: DeepSpeed on a CPU fails with it "auto" (Trainer fills it for
 """
 import json
 import os
+import resource
 import sys
 
 import torch
@@ -58,7 +59,15 @@ def main(out, auto_batch=True, gas=1):
                              report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0, seed=0)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens())
     trainer.train()
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank = int(os.environ.get("RANK", "0"))
+    engine = trainer.model_wrapped   # the DeepSpeed engine: its memory per rank (zerolab's only), the peak RSS (both)
+    mem = {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if hasattr(engine, "memory"):
+        report = engine.memory()
+        mem.update(params=report.params, grads=report.grads, optimizer=report.optimizer, total=report.total)
+    with open(f"{out}.rank{rank}.mem", "w") as f:
+        json.dump(mem, f)
+    if rank == 0:
         logs = [{k: log[k] for k in ("loss", "learning_rate", "grad_norm")} for log in trainer.state.log_history
                 if "loss" in log]
         with open(out, "w") as f:

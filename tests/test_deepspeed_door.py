@@ -56,7 +56,11 @@ def run(lib: str, cases: str, tmp_path, world: int = 2) -> list[dict]:
 
 
 def close(a, b, atol):
-    return all(abs(x - y) <= atol * max(1.0, abs(y)) for x, y in zip(a, b)) and len(a) == len(b)
+    """Equal lengths, each pair within ``atol`` (relative above 1); None only against None (fp32 ZeRO-0 reports
+    no gradient norm, in both libraries)."""
+    return len(a) == len(b) and all((x is None and y is None) or (x is not None and y is not None and
+                                                                 abs(x - y) <= atol * max(1.0, abs(y)))
+                                    for x, y in zip(a, b))
 
 
 def assert_same(ours: dict, theirs: dict, atol: float, name: str):
@@ -197,3 +201,24 @@ def test_the_same_script_trains_the_same_under_deepspeed(zerolab_run, tmp_path):
     for ours, ref in zip(zerolab_run, theirs):
         for name in ",".join(cases).split(","):
             assert_same(ours[name], ref[name], 2e-3 if name.endswith("bf16") else 1e-3, name)
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed")
+def test_the_cifar_style_script_matches_deepspeed_at_every_stage_and_precision(tmp_path):
+    """The CIFAR-style loop (accelerator, a config dict, "Adam" + weight decay) at ZeRO 0-3 in fp32 and bf16,
+    both ways: the whole grid (the zerolab half alone above runs two of its points). One point differs, and the
+    difference is DeepSpeed's own: bf16 at ZeRO-0 takes its FP16_Optimizer path (DDP_BFLOAT16: bf16 gradients
+    all-reduced, a dynamic loss scale), whose trajectory leaves its own stages 1-3 after the first step (measured:
+    loss 2.2840 against 2.3198, parameters 7.3e-3 apart). zerolab's stage 0 in bf16 follows DeepSpeed's stages 1-3;
+    the compatibility table says so."""
+    ours, theirs = run("zerolab", CIFAR, tmp_path), run("deepspeed", CIFAR, tmp_path)
+    for mine, ref in zip(ours, theirs):
+        for name in CIFAR.split(","):
+            worst = max((mine[name]["final"][k] - ref[name]["final"][k]).abs().max().item() for k in ref[name]["final"])
+            print(f"{name}: losses {mine[name]['losses']} / {ref[name]['losses']}; parameters differ by {worst:.1e}")
+            if name == "cifar_s0_bf16":
+                assert not close(ref[name]["losses"], ref["cifar_s1_bf16"]["losses"], 2e-3), \
+                    "DeepSpeed's bf16 ZeRO-0 now follows its stage 1: make the table's row and this test say so"
+                assert_same(mine[name], ref["cifar_s1_bf16"], 2e-3, name)
+                continue
+            assert_same(mine[name], ref[name], 2e-3 if name.endswith("bf16") else 1e-3, name)

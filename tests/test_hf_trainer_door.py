@@ -40,8 +40,13 @@ def run(lib: str, tmp_path, *extra) -> tuple[int, str, list]:
 
 
 @pytest.fixture(scope="module")
-def zerolab_logs(tmp_path_factory):
-    rc, text, logs = run("zerolab", tmp_path_factory.mktemp("trainer"))
+def zerolab_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("trainer")
+
+
+@pytest.fixture(scope="module")
+def zerolab_logs(zerolab_dir):
+    rc, text, logs = run("zerolab", zerolab_dir)
     assert rc == 0, text
     return logs
 
@@ -54,6 +59,14 @@ def test_the_recipe_trains_under_zerolab_with_auto_batch_sizes(zerolab_logs):
     assert all(0 < log["grad_norm"] < 100 and 3 < log["loss"] < 5 for log in zerolab_logs)
 
 
+def test_the_recipe_reports_memory_per_rank(zerolab_logs, zerolab_dir):
+    """What DeepSpeed never shows: each rank's model states from the engine (ZeRO-2, fp32 here, the optimizer
+    on the CPU), the same on both ranks, and the process's peak RSS."""
+    mems = [json.loads((zerolab_dir / f"zerolab.json.rank{r}.mem").read_text()) for r in (0, 1)]
+    assert mems[0]["total"] == mems[1]["total"] > 0
+    assert all(m["params"] > 0 and m["peak_rss"] > m["total"] for m in mems), mems
+
+
 def test_trainer_accumulation_sets_the_boundary_and_steps_only_there(tmp_path):
     """gradient_accumulation_steps 2: Accelerate says which backward is the boundary and calls step() there only;
     the engine counts the other micro-batch itself (3 optimizer steps from 6 micro-batches)."""
@@ -63,11 +76,16 @@ def test_trainer_accumulation_sets_the_boundary_and_steps_only_there(tmp_path):
 
 
 @pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed is not installed")
-def test_the_recipe_matches_deepspeed_step_for_step(zerolab_logs, tmp_path):
+def test_the_recipe_matches_deepspeed_step_for_step(zerolab_logs, zerolab_dir, tmp_path):
+    zerolab_logs_dir = zerolab_dir
     rc, text, theirs = run("deepspeed", tmp_path)
     if rc != 0 and "train_batch_size" in text:   # some transformers/accelerate releases fill it for one process
         rc, text, theirs = run("deepspeed", tmp_path, "--no-auto-batch")
     assert rc == 0, text
+    for rank in (0, 1):   # memory per rank: zerolab's census, and the peak RSS of both (measured)
+        ours_mem = json.loads((zerolab_logs_dir / f"zerolab.json.rank{rank}.mem").read_text())
+        ref_mem = json.loads((tmp_path / f"deepspeed.json.rank{rank}.mem").read_text())
+        print(f"rank {rank}: zerolab {ours_mem}; DeepSpeed peak RSS {ref_mem['peak_rss'] / 2**20:.0f} MiB")
     print("\nTrainer ZeRO-2 + CPU optimizer: zerolab / DeepSpeed loss, lr, grad norm")
     for ours, ref in zip(zerolab_logs, theirs, strict=True):
         print(f"  {ours['loss']:.6f} / {ref['loss']:.6f}  {ours['learning_rate']:.2e} / {ref['learning_rate']:.2e}  "

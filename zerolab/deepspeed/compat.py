@@ -89,6 +89,10 @@ TABLE = [
     ("engine.zero_gather_16bit_weights_on_model_save / _zero3_consolidated_16bit_state_dict", SUPPORTED,
      "what Accelerate and Trainer.save_model call at ZeRO-3: the config's flag, and the whole model in the "
      "compute dtype on rank 0, gathered a unit at a time"),
+    ("bf16 at ZeRO stage 0", DIFFERS,
+     "DeepSpeed 0.19.8 runs its FP16_Optimizer path there (bf16 gradients all-reduced, a dynamic loss scale), "
+     "and its trajectory leaves its own stages 1-3 after one step (CIFAR-style test: loss 2.284 against 2.320); "
+     "zerolab's stage 0 follows DeepSpeed's stages 1-3"),
     ("engine.config", SUPPORTED, "the user's config dict, as DeepSpeed keeps it (transformers reads it)"),
     ("deepspeed.runtime.zero.partition_parameters", DIFFERS,
      "the module path transformers reaches into under ZeRO-3; Init is zero.Init, which casts parameters when it "
