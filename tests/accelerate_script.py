@@ -13,25 +13,12 @@ import sys
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler, InitProcessGroupKwargs
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
-try:   # real DeepSpeed: skip a JIT build used only for inference
-    import deepspeed
-    if "zerolab" not in deepspeed.__version__:
-        import deepspeed.comm.torch  # noqa: F401
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *a, **k: None
-except ImportError:
-    pass
+from hf_script_common import Tokens, skip_deepspeed_shm_build
 
-
-class Tokens(Dataset):
-    def __len__(self):
-        return 32
-
-    def __getitem__(self, i):
-        x = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": x, "labels": x.clone()}
+skip_deepspeed_shm_build()
 
 
 def arg(name, default):
@@ -59,7 +46,7 @@ def main(out):
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
-    loader = DataLoader(Tokens(), batch_size=2, shuffle=False)
+    loader = DataLoader(Tokens(32), batch_size=2, shuffle=False)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     logs, losses = [], []
     for batch in loader:

@@ -12,25 +12,11 @@ import resource
 import sys
 
 import torch
-from torch.utils.data import Dataset
 from transformers import GlmConfig, GlmForCausalLM, Trainer, TrainingArguments
 
-try:   # real DeepSpeed: skip a ~90 s JIT build used only for inference, and tear its gloo group down at exit
-    import deepspeed
-    if "zerolab" not in deepspeed.__version__:
-        import deepspeed.comm.torch  # noqa: F401
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *a, **k: None
-except ImportError:
-    pass
+from hf_script_common import Tokens, skip_deepspeed_shm_build
 
-
-class Tokens(Dataset):
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        x = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": x, "labels": x.clone()}
+skip_deepspeed_shm_build()
 
 
 CONFIG = {   # the recipe's deepspeed.json, at stage 2 with the optimizer on the CPU

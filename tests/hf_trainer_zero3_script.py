@@ -15,26 +15,11 @@ import json
 import os
 import sys
 
-import torch
-from torch.utils.data import Dataset
 from transformers import GlmForCausalLM, Trainer, TrainingArguments
 
-try:   # real DeepSpeed: skip a JIT build used only for inference
-    import deepspeed
-    if "zerolab" not in deepspeed.__version__:
-        import deepspeed.comm.torch  # noqa: F401
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *a, **k: None
-except ImportError:
-    pass
+from hf_script_common import Tokens, skip_deepspeed_shm_build
 
-
-class Tokens(Dataset):
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        x = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": x, "labels": x.clone()}
+skip_deepspeed_shm_build()
 
 
 CONFIG = {

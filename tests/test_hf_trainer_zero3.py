@@ -99,7 +99,7 @@ def test_zero3_trainer_loaded_the_pretrained_weights(zerolab_run, tmp_path):
     through zero.Init and GatheredParameters, not a fresh random init)."""
     pre, out = zerolab_run
     sys.path.insert(0, str(ROOT / "tests"))
-    from hf_trainer_zero3_script import Tokens
+    from hf_script_common import Tokens
     model = transformers.GlmForCausalLM.from_pretrained(pre)
     first = logs(out, "logs.json")[1]["loss"]
     # Trainer's sampler with seed 0 shuffles; compare with the range of the per-batch losses instead of the order
