@@ -112,3 +112,18 @@ def zero_init(dtype: torch.dtype | None = None):
     for m in roots:   # the root's (and any unattached module's) own parameters, now that __init__ is done
         for p in m.parameters(recurse=False):
             partition(p, rank, world, dtype)
+    for m in roots:
+        where_it_runs(m)
+
+
+def where_it_runs(module: nn.Module) -> None:
+    """Tell a Hugging Face model the device its partitioned parameters will run on. Its ``device``
+    property reads the first parameter, here a meta placeholder (DeepSpeed's placeholders are empty
+    tensors on the accelerator), and transformers >= 5.25 picks hub kernels for that device when
+    ``from_pretrained`` ends, refusing "meta". ``_kernels_device`` is the attribute transformers itself
+    sets for a model whose offloaded parameters are on the meta device."""
+    if not hasattr(type(module), "set_use_kernels"):
+        return
+    pieces = [p._zl_piece for p in module.parameters() if getattr(p, "_zl_piece", None) is not None]
+    if pieces and getattr(module, "_kernels_device", None) is None:
+        module._kernels_device = pieces[0].device.type
