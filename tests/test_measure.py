@@ -229,14 +229,29 @@ def test_first_measurement_in_a_fresh_rank():
 
 HOLE = """
 import torch
-from zerolab.runtime.peak import peak_memory
+from zerolab.runtime.peak import peak_memory, rss, trim_heap
 MiB = 2 ** 20
-hole = torch.ones(64 * MiB // 4)
-pin = torch.ones(1000)      # allocated above the big block: freeing it leaves a hole, not a trimmable top
+hole = torch.ones(200 * MiB // 4)   # room for the block three times over: small objects made between
+                                    # the three uses may split what a freed block leaves
+start, end = hole.data_ptr(), hole.data_ptr() + hole.nbytes
+pins = []
+for _ in range(256):   # something allocated above the big block: freeing it leaves a hole, not a trimmable top
+    pins.append(torch.ones(1000))
+    if pins[-1].data_ptr() >= end:
+        break
+else:
+    raise SystemExit("no allocation landed above the 200 MiB block: the heap layout this test needs did not arise")
 del hole
+trim_heap()   # the hole's pages go back to the OS, as a meter's start does
+before = rss()
+x = torch.ones(64 * MiB // 4)
+assert start <= x.data_ptr() < end, "the block was not served from the hole"
+del x
+print("raw", 64, (rss() - before) // MiB)   # free() kept the pages: the case the meters must see through
 for method in ("hwm", "anon"):
     with peak_memory(method) as m:
         x = torch.ones(64 * MiB // 4)   # served from the hole: its pages become resident again
+        assert start <= x.data_ptr() < end, "the block was not served from the hole"
         del x                           # free() keeps them
     print(method, m.peak // MiB, m.delta // MiB)
 """
@@ -252,6 +267,8 @@ def test_memory_glibc_keeps_for_reuse_is_not_the_blocks():
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
     r = subprocess.run([sys.executable, "-c", HOLE], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
-    for line in r.stdout.split("\n")[:2]:
-        method, peak, delta = line.split()
+    lines = [line.split() for line in r.stdout.strip().split("\n")]
+    assert [m for m, _, _ in lines] == ["raw", "hwm", "anon"], r.stdout
+    assert int(lines[0][2]) >= 60, r.stdout   # the situation under test arose: glibc kept the freed pages
+    for method, peak, delta in lines[1:]:
         assert abs(int(peak) - 64) <= 2 and abs(int(delta)) <= 1, r.stdout   # seen at its peak, gone after
