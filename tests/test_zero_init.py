@@ -123,3 +123,20 @@ def test_zero_init_hugging_face_llama_gets_its_own_initialisation():
             assert torch.equal(v, torch.ones_like(v)), k
         elif k.endswith("proj.weight"):
             assert 0.5 * cfg.initializer_range < v.std() < 1.5 * cfg.initializer_range, (k, v.std())
+
+
+def test_zero_init_from_pretrained_kernelizes_for_the_device_the_pieces_are_on(tmp_path):
+    """transformers picks hub kernels for ``model.device`` when ``from_pretrained`` ends (5.25 with the
+    ``kernels`` package); that is the first parameter's device, here a meta placeholder, which it
+    refuses. A model built partitioned names the pieces' device instead, as DeepSpeed's placeholders
+    (empty tensors on the accelerator) do by themselves."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    with zl.zero_init():
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    assert all(p.is_meta for p in model.parameters())
+    assert model._kernels_device == "cpu"
+    pytest.importorskip("kernels")
+    model.set_use_kernels(True)   # what from_pretrained does by default; refused "meta" before

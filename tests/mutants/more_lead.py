@@ -14,3 +14,9 @@ MUTANTS.append(
            "        return consolidated_state_dict(self, rank0_only)",
            ("tests/test_mesh_checkpoint.py::test_hf_gpt2_fused_qkv_reshards_tp2_to_tp1_and_back",),
            "at tp 1 full_state_dict returns a converted GPT-2 Conv1D weight in the Linear layout (out x in)"))
+MUTANTS.append(
+    Mutant("zero-init-hf-device-meta", "zerolab/engine/bigmodel/zero_init.py",
+           "        module._kernels_device = pieces[0].device.type",
+           "        pass",
+           ("tests/test_zero_init.py::test_zero_init_from_pretrained_kernelizes_for_the_device_the_pieces_are_on",),
+           "a Hugging Face model built under zero.Init reports the meta device: transformers refuses to kernelize"))
