@@ -107,10 +107,11 @@ def hold(ex, **values):
 def test_measure_refuses_fp8_by_name(ex):
     hold(ex, psi=1e6, n_gpus=2, layers=2, hidden=64, heads=2, seq_len=32, micro_batch=2, vocab=128, stage=2,
          fp8=True)
+    from zerolab.book.explorer_model import measure, measure_refusal
+    assert (measure_refusal(**ex.settings()) or "").startswith("fp8=True: ")    # before the button could run it
     reason = ex.measure()
     assert reason.startswith("fp8=True: ") and "no FP8" in reason and ex.measured is None
     assert "cannot run on this laptop: fp8=True" in ex.measure_status.value
-    from zerolab.book.explorer_model import measure, measure_refusal
     with pytest.raises(ValueError, match="fp8=True"):
         measure(**ex.settings())
     hold(ex, fp8=False)

@@ -21,11 +21,12 @@ Sources, and what each says (read for facts; numbers copied, no text):
 [torchao] torchtitan's float8 guide (https://github.com/pytorch/torchtitan/blob/main/docs/float8.md), for
     torchao's ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``: the weight is cast from high
     precision to float8 *before* FSDP2's all-gather, so the gather moves float8 (one byte per element,
-    half of bf16's two); the scales are computed in one all-reduce for all parameters.
+    half of bf16's two); optionally ``precompute_float8_dynamic_scale_for_fsdp`` computes the scales for all
+    parameters in one all-reduce after the optimizer step.
 [DeepSeek-V3] DeepSeek-AI, "DeepSeek-V3 Technical Report", section 3.3, https://arxiv.org/abs/2412.19437:
-    activations are cached and dispatched in FP8 and the optimizer states (AdamW's moments) stored in BF16,
-    while the master weights and the gradients accumulated over the batch stay in FP32 (the Playbook's
-    DeepSeek-V3 row: 4 + 4 + 1 + 2 + 2 + 2 = 15 bytes).
+    activations are cached and dispatched in FP8 and the optimizer states stored in BF16. The Playbook's
+    DeepSeek-V3 row adds the rest: master weights and accumulated gradients FP32, weights FP8, gradients
+    BF16, moments BF16 + BF16: 4 + 4 + 1 + 2 + 2 + 2 = 15 bytes.
 
 This book's FP8 model (``estimate(..., fp8=True)``), byte by byte:
 
