@@ -8,7 +8,7 @@ verdict against a GPU that names the binding term, and a "measure it" button tha
 configuration small enough for this laptop and draws what it measured beside the prediction.
 
 Controls are plain ipywidgets attributes (``explorer.tp``, ``.pp``, ``.cp``, ``.ep``, ``.stage``,
-``.recompute``, ``.preset``, ...): setting ``widget.value`` redraws, so tests need no browser.
+``.recompute``, ``.preset``, ``.fp8`` (FP8 weights: ``theory.fp8``), ...): setting ``widget.value`` redraws, so tests need no browser.
 ``.data`` holds the numbers the last figure drew, ``.verdict`` the sentence, ``.figure``/``.png``
 the figure. The numbers are ``explorer_model``'s (``zerolab.theory``'s formulas).
 """
@@ -54,7 +54,7 @@ class MemoryExplorer:
     def __init__(self, psi=7.5e9, n_gpus=64, precision="mixed", optimizer="adam", gpu_gb=80, layers=32,
                  hidden=4096, heads=32, seq_len=2048, micro_batch=1, checkpointing=False, node="dgx-a100",
                  *, preset=None, stage=3, tp=1, pp=1, cp=1, ep=1, sp=False, recompute=None,
-                 flash_attention=False, vocab=0, expert_params=0, hpz=1, gpu="A100"):
+                 flash_attention=False, vocab=0, expert_params=0, hpz=1, gpu="A100", fp8=False):
         recompute = recompute or ("full" if checkpointing else "none")
         self.preset = W.Dropdown(options=["(custom)", *MODEL_PRESETS], value="(custom)", description="model",
                                  style=_WIDE)
@@ -75,6 +75,7 @@ class MemoryExplorer:
                                 description="stage (verdict)", style=_WIDE)
         self.precision = W.Dropdown(options=["fp32", "mixed", "mixed_fp32_grads"], value=precision,
                                     description="precision", style=_WIDE)
+        self.fp8 = W.Checkbox(value=fp8, description="FP8 weights (1 byte)", style=_WIDE)
         from zerolab.theory import OPTIMIZERS
         self.optimizer = W.Dropdown(options=list(OPTIMIZERS), value=optimizer, description="optimizer", style=_WIDE)
         self.offload_optimizer = W.Dropdown(options=["none", "cpu", "nvme"], value="none",
@@ -114,7 +115,7 @@ class MemoryExplorer:
                              heads=self.heads, seq_len=self.seq_len, micro_batch=self.micro_batch,
                              recompute=self.recompute, sp=self.sp, flash_attention=self.flash_attention,
                              vocab=self.vocab, expert_params=self.expert_params, node=self.node,
-                             grad_accum=self.grad_accum)
+                             grad_accum=self.grad_accum, fp8=self.fp8)
         self.data, self.figure, self.png, self.renders = None, None, None, 0
         self.verdict, self.binding, self.measured = "", None, None
         self._hold = False
@@ -144,7 +145,7 @@ class MemoryExplorer:
                           titles=("model shape and activations", "communication (chapter 2)"))
         return W.VBox([W.HBox([self.preset, W.Label("Ψ:"), *self.presets]), self.psi,
                        W.HBox([self.n_gpus, self.tp, self.pp, self.cp, self.ep]),
-                       W.HBox([self.stage, self.precision, self.optimizer]),
+                       W.HBox([self.stage, self.precision, self.fp8, self.optimizer]),
                        W.HBox([self.offload_optimizer, self.offload_param, self.hpz]),
                        W.HBox([self.gpu, self.gpu_gb]), acc, self.verdict_box, self.output,
                        W.HBox([self.measure_button, self.measure_status]), self.measure_output])
@@ -197,7 +198,7 @@ class MemoryExplorer:
         mesh = "".join(f", {k} = {p[k]}" for k in ("tp", "pp", "cp", "ep") if p[k] > 1)
         plots.stage_memory_bars(data, capacity_gb=gpu_gb, ax=ax_mem,
                                 title=f"Ψ = {format_params(p['psi'])}, N = {p['n_gpus']}{mesh}, "
-                                      f"{p['precision']}, {p['optimizer']}")
+                                      f"{p['precision']}{' + fp8 weights' if p['fp8'] else ''}, {p['optimizer']}")
         xs = range(len(STAGES))
         comm_gb = [c / plots.GB for c in data["comm"]]
         ax_comm.bar(xs, comm_gb, color="#8172B3", width=0.6)
@@ -208,7 +209,8 @@ class MemoryExplorer:
         ax_comm.set_xlabel("data-parallel strategy")
         ax_comm.set_ylabel("bytes sent per GPU per step (GB = 1e9 bytes)")
         g = p["grad_accum"]
-        ax_comm.set_title(f"Data-parallel traffic per step{f' (g = {g})' if g > 1 else ''} (algorithm bytes);\n"
+        ax_comm.set_title(f"Data-parallel traffic per step{f' (g = {g})' if g > 1 else ''}"
+                          f"{', FP8 gathers' if p['fp8'] else ''} (algorithm bytes);\n"
                           f"time on {NODE_CHOICES[p['node']][0]}", fontsize=10)
         self.figure, self.png = fig, plots.figure_png(fig)
         self.renders += 1

@@ -2,7 +2,7 @@
 on every axis, the verdict against a GPU, and the laptop run behind the "measure it" button.
 
 Every number comes from ``zerolab.theory``: model states from ``estimate`` (stage, precision,
-offload, ZeRO++'s hpZ, tp/pp/cp/ep), activations from ``activation_terms`` (recompute, tp/sp, cp,
+FP8 weights, offload, ZeRO++'s hpZ, tp/pp/cp/ep), activations from ``activation_terms`` (recompute, tp/sp, cp,
 pp, the logits). The activation count is Korthikanti's GPT layer (multi-head attention, a 4h GeLU
 MLP); for the Llama, Mixtral and DeepSeek presets it is the same count at their h, a, L — an
 approximation (grouped-query attention keeps less K/V, a SwiGLU or MoE MLP a different width).
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from zerolab import theory
 from zerolab.theory.activations import activation_terms
 from zerolab.theory.checks import mesh_share
+from zerolab.theory.fp8 import fp8_comm_volume, fp8_step_comm_time
 from zerolab.theory.shapes import SHAPES
 
 GB = 1e9
@@ -94,8 +95,9 @@ def _activation_advice(recompute) -> str:
 
 def compute(psi, n_gpus, precision, optimizer, offload_optimizer, offload_param, layers, hidden, heads,
             seq_len, micro_batch, recompute="none", tp=1, pp=1, cp=1, ep=1, sp=False, flash_attention=False,
-            vocab=0, hpz=1, expert_params=0, node="dgx-a100", grad_accum=1, **_) -> dict:
-    """Bytes per GPU at every stage (lists, one entry per stage 0-3) and the activation terms."""
+            vocab=0, hpz=1, expert_params=0, node="dgx-a100", grad_accum=1, fp8=False, **_) -> dict:
+    """Bytes per GPU at every stage (lists, one entry per stage 0-3) and the activation terms. ``fp8``: the
+    weights in FP8 and their all-gathers at one byte (``theory.fp8``); activations stay 16-bit."""
     psi = int(round(psi))
     d = 4 if precision == "fp32" else 2
     acts = activation_terms(layers, hidden, heads, seq_len, micro_batch, dtype_bytes=d,
@@ -109,18 +111,24 @@ def compute(psi, n_gpus, precision, optimizer, offload_optimizer, offload_param,
         est = theory.estimate(psi, n_gpus, stage, precision=precision, optimizer=optimizer,
                               offload_optimizer=offload_optimizer if stage >= 1 else "none",
                               offload_param=offload_param if stage == 3 else "none",
-                              hpz_partition_size=hpz if stage == 3 and offload_param == "none" else 1, **mesh)
+                              hpz_partition_size=hpz if stage == 3 and offload_param == "none" else 1, fp8=fp8,
+                              **mesh)
         for k in ("params", "grads", "optimizer", "host", "nvme", "hpz"):
             data[k].append(getattr(est, k))
         data["activations"].append(acts["total"])
         data["total"].append(est.total + acts["total"])
         comm = dict(dtype_bytes=d, grad_accum=grad_accum)
-        data["comm"].append(theory.comm_volume(psi_dp, n_dp, stage, **comm))
-        data["comm_seconds"].append(theory.step_comm_time(psi_dp, n_dp, stage, node=node_of(node), **comm))
+        if fp8:
+            data["comm"].append(fp8_comm_volume(psi_dp, n_dp, stage, grad_accum))
+            data["comm_seconds"].append(fp8_step_comm_time(psi_dp, n_dp, stage, node_of(node), grad_accum))
+        else:
+            data["comm"].append(theory.comm_volume(psi_dp, n_dp, stage, **comm))
+            data["comm_seconds"].append(theory.step_comm_time(psi_dp, n_dp, stage, node=node_of(node), **comm))
     data["terms"] = {"checkpoints" if acts["recompute"] == "full" else "activations": acts["layers"],
                      "working": acts["working"], "logits": acts["logits"]}
     data["pipeline_stage"], data["in_flight"], data["recompute"] = acts["stage"], acts["in_flight"], acts["recompute"]
     data["dp"] = n_gpus // (tp * pp * cp)
+    data["fp8"] = fp8
     return data
 
 
@@ -133,7 +141,8 @@ def verdict(data, stage, capacity, gpu_name) -> tuple[str, str]:
     advice = _activation_advice(data["recompute"]) if binding == "activations" else ADVICE[binding]
     where = f" on the {data['pipeline_stage']} pipeline stage" if data["in_flight"] > 1 or \
         data["pipeline_stage"] == "last" and data["terms"]["logits"] else ""
-    head = (f"ZeRO-{stage}: {total / GB:.1f} GB of {capacity / GB:.0f} GB ({gpu_name}){where}: "
+    fp8 = " with FP8 weights (1 byte each)" if data.get("fp8") else ""
+    head = (f"ZeRO-{stage}{fp8}: {total / GB:.1f} GB of {capacity / GB:.0f} GB ({gpu_name}){where}: "
             + ("fits" if total <= capacity else "does not fit"))
     line = f"{binding} {terms[binding] / GB:.1f} GB of {capacity / GB:.0f} GB"
     return binding, f"{head}; largest term {line}" + ("" if total <= capacity else f": {advice}")
@@ -152,9 +161,12 @@ def tinygpt_params(vocab, n_layer, n_head, d_model, seq_len) -> int:
 
 
 def measure_refusal(n_gpus, tp=1, pp=1, cp=1, ep=1, sp=False, offload_optimizer="none", offload_param="none",
-                    hpz=1, stage=0, layers=1, hidden=64, heads=1, seq_len=32, micro_batch=1, vocab=0,
+                    hpz=1, stage=0, layers=1, hidden=64, heads=1, seq_len=32, micro_batch=1, vocab=0, fp8=False,
                     **_) -> str | None:
     """Why the laptop cannot run this configuration (a named reason), or None when it can."""
+    if fp8:
+        return ("fp8=True: the CPU engine has no FP8 (no FP8 weights or matmuls), so a run would measure bf16, "
+                "not this configuration; untick FP8 to measure the bf16 one")
     mesh = {"tp": tp, "pp": pp, "cp": cp, "ep": ep}
     if any(v > 1 for v in mesh.values()) or sp:
         bad = ", ".join(f"{k}={v}" for k, v in mesh.items() if v > 1) or "sp=True"

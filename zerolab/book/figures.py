@@ -82,7 +82,10 @@ def partition_figure(flat, stages=(0, 1, 2, 3)):
     fig.legend(handles=[Rectangle((0, 0), 1, 1, color=COLORS[c]) for c in STATES], fontsize=8, ncols=3,
                labels=[f"{c} ({LANE_BYTES[c]} bytes/param)" for c in STATES], loc="outside upper center",
                frameon=False)
-    fig.supxlabel("flat parameter space, unit after unit (grey: not held; dark: padding)", fontsize=8)
+    pad = sum(u.padded - u.numel for u in flat.units)      # drawn dark; named only when there is some
+    fig.supxlabel("flat parameter space (elements), unit after unit (grey: not held; "
+                  + (f"dark: padding, {pad} elements)" if pad else f"no padding: N = {n} divides every unit)"),
+                  fontsize=8)
     alt = (f"Partition picture for {n} ranks and {len(flat.units)} units: for "
            + "; ".join(f"{STAGE_NAMES[s]} every rank holds "
                        + ", ".join(f"1/{n} of the {c}" if c in sharded(s) else f"all {c}" for c in STATES)

@@ -43,6 +43,10 @@ gathered layers beside it (``gathered_working_set``).
 Beside it: ``activations`` (what the model keeps for backward, on top of ``.total``),
 ``ds_estimate`` (DeepSpeed's own estimator, for comparison) and ``comm`` (the
 communication half of the model); ``zerolab.theory`` exports them all.
+
+``fp8=True`` (beside "mixed" or "mixed_fp32_grads"): the weights the GEMMs read are held in FP8, 1 byte
+instead of 2; gradients, the fp32 master and the moments as before — 15Ψ instead of 16Ψ with Adam.
+Which source says which byte, and what is this book's choice: ``theory.fp8``.
 """
 from __future__ import annotations
 
@@ -59,15 +63,25 @@ DEVICES = ("none", "cpu", "nvme")
 
 # precision -> (param bytes, grad bytes)
 _PARAM_GRAD_BYTES = {"fp32": (4, 4), "mixed": (2, 2), "mixed_fp32_grads": (2, 4)}
+FP8_WEIGHT_BYTES = 1     # fp8=True: the weights in E4M3/E5M2, one byte each (``theory.fp8``: sources, choices)
 # optimizer -> fp32 state bytes per parameter besides a master copy (moments)
 _MOMENT_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}
 
 
-def bytes_per_param(precision: str = "mixed", optimizer: str = "adam") -> tuple[int, int, int]:
-    """(param, grad, K) bytes per parameter; K counts master copy + moments."""
+def bytes_per_param(precision: str = "mixed", optimizer: str = "adam", fp8: bool = False) -> tuple[int, int, int]:
+    """(param, grad, K) bytes per parameter; K counts master copy + moments. ``fp8``: the weights in FP8."""
+    if precision == "fp8":
+        raise ValueError(f"precision must be one of {PRECISIONS}, got 'fp8': FP8 is the separate argument "
+                         f"fp8=True beside precision='mixed' (its weights in FP8, the fp32 master kept)")
     _choice("precision", precision, PRECISIONS)
     _choice("optimizer", optimizer, OPTIMIZERS)
+    if not isinstance(fp8, bool):
+        raise ValueError(f"fp8 must be True or False, got {fp8!r}")
+    if fp8 and precision == "fp32":
+        raise ValueError("fp8=True needs precision 'mixed' or 'mixed_fp32_grads' (an fp32 master beside the FP8 "
+                         "weights); got precision='fp32'")
     p, g = _PARAM_GRAD_BYTES[precision]
+    p = FP8_WEIGHT_BYTES if fp8 else p
     master = 0 if precision == "fp32" else 4
     return p, g, master + _MOMENT_BYTES[optimizer]
 
@@ -89,6 +103,7 @@ class Estimate:
     nvme: int         # bytes on NVMe (offload to "nvme")
     hpz: int = 0      # of ``params``: ZeRO++ hpZ's secondary partition (chapter 9)
     frozen_params: int = 0   # of ``params`` (or of the offload tier): frozen weights (chapter 6, LoRA)
+    fp8: bool = False        # weights held in FP8 (``theory.fp8``)
 
     @property
     def total(self) -> int:
@@ -109,7 +124,7 @@ class Estimate:
 
 def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
              offload_optimizer="none", offload_param="none", hpz_partition_size=1, frozen=0,
-             tp=1, pp=1, replicated=0, cp=1, ep=1, expert_params=0) -> Estimate:
+             tp=1, pp=1, replicated=0, cp=1, ep=1, expert_params=0, fp8=False) -> Estimate:
     """Per-rank bytes of params, grads and optimizer state under ZeRO ``stage``.
 
     Chapter 1 derives it (16Ψ in mixed-precision Adam, split by stage).
@@ -130,14 +145,15 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
     n_gpus): each rank holds 1/ep of the experts (1/(tp·pp·ep) of ``expert_params``) and ZeRO
     shards them over the n_gpus/(tp·pp·ep) ranks that hold the same experts; the dense
     ``psi - expert_params`` are counted as above.
+    ``fp8=True``: the weights in FP8 (1 byte; sharded at stage 3), the rest as ``precision`` says.
     """
     if (cp, ep, expert_params) != (1, 1, 0):
         return _with_experts(psi, n_gpus, stage, precision, optimizer, offload_optimizer, offload_param,
-                             hpz_partition_size, frozen, tp, pp, replicated, cp, ep, expert_params)
+                             hpz_partition_size, frozen, tp, pp, replicated, cp, ep, expert_params, fp8)
     if (tp, pp, replicated) != (1, 1, 0):
         psi_mp, n_dp = mesh_share(psi, n_gpus, tp, pp, replicated)
         est = estimate(psi_mp, n_dp, stage, precision, optimizer, offload_optimizer, offload_param,
-                       hpz_partition_size, frozen)
+                       hpz_partition_size, frozen, fp8=fp8)
         return replace(est, psi=check_psi_n(psi, n_gpus)[0], n_gpus=n_gpus)
     psi, n = check_psi_n(psi, n_gpus)
     _choice("stage", stage, STAGES)
@@ -148,7 +164,7 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
     if offload_param != "none" and stage < 3:
         raise ValueError(f"offload_param={offload_param!r} needs stage 3 (got stage={stage}); "
                          f"allowed at stage {stage}: ('none',)")
-    p, g, k = bytes_per_param(precision, optimizer)
+    p, g, k = bytes_per_param(precision, optimizer, fp8)
     if isinstance(frozen, bool) or not isinstance(frozen, (int, float)) or frozen < 0 or frozen != int(frozen):
         raise ValueError(f"frozen must be a whole number of parameters >= 0, got {frozen!r}")
     frozen = int(frozen)
@@ -172,11 +188,12 @@ def estimate(psi, n_gpus, stage, precision="mixed", optimizer="adam",
                     params=0 if offload_param != "none" else params + hpz,
                     grads=grads if stage < 2 or not host_grads else 0,
                     host=off["cpu"] + host_grads, nvme=off["nvme"],
-                    optimizer=0 if offload_optimizer != "none" else optim, hpz=hpz, frozen_params=frozen_bytes)
+                    optimizer=0 if offload_optimizer != "none" else optim, hpz=hpz, frozen_params=frozen_bytes,
+                    fp8=fp8)
 
 
 def _with_experts(psi, n, stage, precision, optimizer, offload_optimizer, offload_param, hpz, frozen,
-                  tp, pp, replicated, cp, ep, experts) -> Estimate:
+                  tp, pp, replicated, cp, ep, experts, fp8=False) -> Estimate:
     """``estimate`` with context and expert parallelism: the dense and the expert parameters each
     sharded over their own data-parallel group, the bytes added."""
     psi, n = check_psi_n(psi, n)
@@ -197,11 +214,11 @@ def _with_experts(psi, n, stage, precision, optimizer, offload_optimizer, offloa
     if ep > 1 and not experts:
         raise ValueError(f"ep={ep} needs expert_params > 0: the parameters expert parallelism splits")
     args = (precision, optimizer, offload_optimizer, offload_param, hpz)
-    dense = estimate(psi - experts, n, stage, *args, frozen, tp, pp, replicated)
+    dense = estimate(psi - experts, n, stage, *args, frozen, tp, pp, replicated, fp8=fp8)
     if not experts:
         return replace(dense, psi=psi)
     slice_, n_edp = mesh_share(experts, n, tp, pp * ep)
-    moe = estimate(slice_, n_edp, stage, *args)
+    moe = estimate(slice_, n_edp, stage, *args, fp8=fp8)
     add = {k: getattr(dense, k) + getattr(moe, k) for k in ("params", "grads", "optimizer", "host", "nvme", "hpz")}
     return replace(dense, psi=psi, **add)
 
