@@ -3,7 +3,7 @@
 ``adam_step_times(numel)``  seconds per Adam step over one flat fp32 tensor:
                             zerolab's offload step (torch's fused, vectorised CPU
                             kernel, the one ``OffloadOptimizer`` runs), zerolab's
-                            on-device step (a few flat kernels per unit),
+                            on-device step (the same fused kernel, unit by unit),
                             torch.optim.Adam (for-loop, foreach, fused) and, where
                             it builds, DeepSpeed's CPU Adam (AVX, C++).
 ``tier_runs(...)``          one engine per offload mode on the same model: median
@@ -71,7 +71,7 @@ def adam_step_times(numel: int = 2_000_000, repeats: int = 5, deepspeed: bool = 
     ours = OffloadOptimizer("adam", {"lr": 1e-3}, [torch.randn(numel)], False, off)
     steps["zerolab offload step (fused CPU kernel)"] = lambda: ours.step([g], 1e-3)
     dev = ShardedOptimizer("adam", {"lr": 1e-3}, [torch.randn(numel)])
-    steps["zerolab on-device step (flat kernels)"] = lambda: dev.step([g], 1e-3)
+    steps["zerolab on-device step (fused, per unit)"] = lambda: dev.step([g], 1e-3)
     for name, kw in (("torch.optim.Adam (for-loop)", {"foreach": False}), ("torch.optim.Adam (foreach)", {"foreach": True}),
                      ("torch.optim.Adam (fused)", {"fused": True})):
         p = torch.nn.Parameter(torch.randn(numel))

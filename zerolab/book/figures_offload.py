@@ -40,6 +40,8 @@ def tier_figure(psi=7e9, n=8, settings=SETTINGS, ax=None):
         ax.bar(range(len(rows)), vals, bottom=bottom, color=color, label=TIER_NAMES[t])
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
+    ax.set_ylim(0, 1.08 * max(bottom))       # headroom: the tallest stack does not touch the frame
+    ax.set_xlabel("setting: ZeRO stage, optimizer offload, parameter offload")
     ax.set_ylabel("GB per rank (model states)")
     ax.set_title(f"Where the bytes live: Ψ = {psi / 1e9:g}B, N = {n}, mixed-precision Adam (zl.estimate)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))    # beside the bars, not over them
