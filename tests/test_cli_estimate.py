@@ -42,6 +42,21 @@ def test_estimate_all_stages_side_by_side():
     assert "host RAM" not in out and "inter-node" not in out
 
 
+def test_fp8_weights_one_byte_and_gathered_in_fp8():
+    """--fp8: 1-byte weights beside the bf16 gradients, fp32 master and Adam (15 bytes per parameter, not 16);
+    parameter all-gathers at one byte, gradient reductions still at two (theory/fp8.py)."""
+    r = run("estimate", "--params", "70B", "--gpus", "64", "--fp8")
+    assert r.returncode == 0, r.stderr
+    psi, n, ring = 70e9, 64, 63 / 64
+    assert row(r.stdout, "GPU: total (model states)") == [gb(15 * psi), gb(3 * psi + 12 * psi / n),
+                                                           gb(psi + 14 * psi / n), gb(15 * psi / n)]
+    assert row(r.stdout, "sent per step per rank") == [gb(2 * 2 * psi * ring)] + [gb((2 + 1) * psi * ring)] * 2 \
+        + [gb((2 + 2 * 1) * psi * ring)]
+    assert "FP8 weights" in r.stdout
+    plain = run("estimate", "--params", "70B", "--gpus", "64")
+    assert row(plain.stdout, "GPU: total (model states)")[3] == gb(16 * psi / n)
+
+
 def test_offload_and_nodes_rows():
     r = run("estimate", "--params", "13B", "--gpus", "16", "--gpus-per-node", "8",
             "--offload-optimizer", "cpu", "--offload-param", "nvme", "--precision", "fp32")
@@ -86,3 +101,11 @@ def test_help_and_command_table():
     assert r.returncode == 0 and "estimate" in r.stdout
     assert set(cli.COMMANDS) >= {"estimate"} and cli.COMMANDS["estimate"][2] is cli.cmd_estimate
     assert cli.parse_count("7.5B") == 7.5e9 and cli.parse_count("350m") == 350e6
+
+
+def test_fp8_with_zeropp_config_is_refused_by_name(tmp_path):
+    cfg = tmp_path / "zpp.json"
+    cfg.write_text('{"train_batch_size": 8, "bf16": {"enabled": true}, '
+                   '"zero_optimization": {"stage": 3, "zero_quantized_weights": true}}')
+    r = run("estimate", "--params", "7B", "--gpus", "8", "--config", str(cfg), "--fp8")
+    assert r.returncode != 0 and "--fp8" in r.stderr and "zero_quantized_weights" in r.stderr, r.stderr

@@ -58,6 +58,8 @@ def add_estimate_args(p: argparse.ArgumentParser):
     p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per optimizer step")
     p.add_argument("--config", default=None, help="a DeepSpeed JSON file: precision, optimizer, offload, "
                                                   "accumulation and ZeRO++ flags come from it")
+    p.add_argument("--fp8", action="store_true", help="FP8 weights (1 byte each) beside the 16-bit recipe's "
+                   "master and Adam states; parameter all-gathers in FP8 (chapter 1)")
     p.add_argument("--link", choices=sorted(LINKS), default=None, help="intra-node link (default nvlink3)")
     p.add_argument("--inter-link", choices=sorted(LINKS), default=None,
                    help="link between nodes (default infiniband-200g)")
@@ -92,11 +94,17 @@ def estimate_table(args) -> str:
     """The side-by-side text table ``cmd_estimate`` prints."""
     from zerolab.theory import comm_breakdown, deepspeed_estimate, estimate, step_comm_time
     from zerolab.theory.comm import split_intra_inter
+    from zerolab.theory.fp8 import fp8_comm_breakdown, fp8_step_comm_time
+    from zerolab.theory.nodes import node_from_links
     s = _settings(args)
     psi, n, gpn = args.params, args.gpus, s["gpus_per_node"]
     if gpn is not None and (gpn < 1 or n % gpn and n > gpn):
         raise ValueError(f"--gpus-per-node must be >= 1 and divide --gpus={n}, got {gpn}")
     spans = gpn is not None and n > gpn
+    fp8 = getattr(args, "fp8", False)
+    if fp8 and any((s["quantized_weights"], s["quantized_gradients"], s["hpz"])):
+        raise ValueError("--fp8 with the config's ZeRO++ keys (zero_quantized_weights, zero_quantized_gradients, "
+                         "zero_hpz_partition_size): the estimate models one or the other, not both")
     link = args.link or "nvlink3"
     inter = (args.inter_link or "infiniband-200g") if spans else None
     cols, marks, notes = [], [], []
@@ -105,13 +113,17 @@ def estimate_table(args) -> str:
         off_par = s["offload_param"] if stage == 3 else "none"
         zpp = dict(quantized_weights=s["quantized_weights"], quantized_gradients=s["quantized_gradients"],
                    hpz=s["hpz"]) if stage == 3 else {}
-        est = estimate(psi, n, stage, s["precision"], s["optimizer"], off_opt, off_par)
+        est = estimate(psi, n, stage, s["precision"], s["optimizer"], off_opt, off_par, fp8=fp8)
         comm = dict(dtype_bytes=2 if s["precision"] != "fp32" else 4, grad_accum=s["grad_accum"],
                     gpus_per_node=gpn, **zpp)
-        ops = comm_breakdown(psi, n, stage, **comm)
+        if fp8:
+            ops = fp8_comm_breakdown(psi, n, stage, s["grad_accum"], gpn)
+            seconds = fp8_step_comm_time(psi, n, stage, node_from_links(link, inter, gpn), s["grad_accum"])
+        else:
+            ops = comm_breakdown(psi, n, stage, **comm)
+            seconds = step_comm_time(psi, n, stage, link, inter_link=inter, **comm)
         split = split_intra_inter(ops)
-        cols.append(dict(est=est, sent=split["intra"] + split["inter"], inter=split["inter"],
-                         time=step_comm_time(psi, n, stage, link, inter_link=inter, **comm)))
+        cols.append(dict(est=est, sent=split["intra"] + split["inter"], inter=split["inter"], time=seconds))
         marks.append("*" if s["config_stage"] == stage else "")
     if s["offload_optimizer"] != "none":
         notes.append(f"offload_optimizer={s['offload_optimizer']} applies to stages 1-3 (stage 0 keeps it on the GPU)")
@@ -146,7 +158,7 @@ def estimate_table(args) -> str:
 
     node_txt = f" ({gpn} per node)" if gpn else ""
     head = (f"zerolab estimate: psi = {psi:,.0f} parameters ({psi / 1e9:g}B), N = {n} GPUs{node_txt}\n"
-            f"precision {s['precision']}, optimizer {s['optimizer']}, gradient accumulation {s['grad_accum']}, "
+            f"precision {s['precision']}{' + FP8 weights' if fp8 else ''}, optimizer {s['optimizer']}, gradient accumulation {s['grad_accum']}, "
             f"comm on {where} (alpha-beta, no overlap); GB = 1e9 bytes")
     width = max(len(r[0]) for r in rows) + 2
     colw = 16
