@@ -188,6 +188,7 @@ def test_full_state_dict_is_the_single_process_model(run):
     want = ContextParallelLM(**LM).state_dict()
     full = got(results[0], "A2")
     assert list(full) == list(want) and all(full[k].shape == want[k].shape for k in want)   # names, order, shapes
+    assert worst(full, reference((2,))[2]) <= 1e-5                                          # and values
     assert worst(got(results[0], "A2_rank0"), full) == 0
     assert all(got(r, "A2_rank0") is None for r in results[1:])
     assert all(worst(r["A2"], full) == 0 for r in results[1:])   # every rank: the same whole model
