@@ -85,11 +85,12 @@ class ContextParallelAttention(nn.Module):
         self.proj = nn.Linear(n_embd, n_embd, bias=False)
 
     def forward(self, x):
-        b, s, c = x.shape
-        q = self.q(x).view(b, s, self.n_head, self.d)
-        k = self.k(x).view(b, s, self.n_kv_head, self.d)
-        v = self.v(x).view(b, s, self.n_kv_head, self.d)
-        return self.proj(context_attention(q, k, v, self.comm, self.method).reshape(b, s, c))
+        b, s, _ = x.shape
+        # heads from the projections' widths: under tensor parallelism q, k, v hold 1/tp of them (chapter 10)
+        q = self.q(x).view(b, s, -1, self.d)
+        k = self.k(x).view(b, s, -1, self.d)
+        v = self.v(x).view(b, s, -1, self.d)
+        return self.proj(context_attention(q, k, v, self.comm, self.method).reshape(b, s, -1))
 
 
 class ContextParallelLM(nn.Module):

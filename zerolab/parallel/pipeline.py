@@ -79,6 +79,11 @@ def pipeline_stage(model, mesh, virtual: int = 1) -> nn.Module:
     """This rank's stage of ``model`` (``mesh.pp`` stages, ``mesh.pp_rank`` this one); with ``virtual`` = v > 1
     its v chunks for the interleaved schedule (``pipeline_interleaved.chunked_stage``)."""
     p, s = mesh.pp, mesh.pp_rank
+    if p > 1 and getattr(mesh, "cp", 1) > 1:
+        raise ValueError(f"pipeline_stage: pp={p} with cp={mesh.cp} (context parallelism) is not supported: a stage "
+                         f"numbers its tokens' positions from 0 and runs the blocks as modules, while each cp rank "
+                         f"holds a later chunk of the sequence (ContextParallelLM: its own forward); use pp=1 with "
+                         f"cp > 1, or cp=1 with pp > 1")
     if is_stage(model):
         raise ValueError(f"pipeline_stage: {type(model).__name__} is already stage {model.pipeline_position[0]} of "
                          f"{model.pipeline_position[1]}; pass the whole model")

@@ -154,6 +154,11 @@ class Communicator:
             self.intra = Communicator(intra, ranks_per_node=ranks_per_node, ledger=self.ledger)
             self.inter = Communicator(inter, ranks_per_node=ranks_per_node, ledger=self.ledger)
 
+    def __deepcopy__(self, memo) -> "Communicator":
+        """Itself: a copy of a model holding a communicator (a context-parallel attention's) shares the
+        process group, which cannot be copied (``tensor_parallel``'s check copies the model)."""
+        return self
+
     def node_subgroup(self, size: int) -> "Communicator":
         """The communicator of the ``size`` consecutive ranks that hold this rank, inside its node
         (ZeRO++'s hpZ partition); its group is built once per process. A collective call."""

@@ -80,7 +80,8 @@ def save_mesh_checkpoint(engine, save_dir, tag=None, client_state=None, exclude_
     if m["rank"] == 0:
         try:
             manifest = {"format": MESH_FORMAT, "version": MESH_VERSION, "tag": tag,
-                        "mesh": {"dp": m["dp"], "tp": m["tp"], "pp": m["pp"]},
+                        "mesh": {"dp": m["dp"], "tp": m["tp"], "pp": m["pp"],
+                                 **({"cp": m["cp"]} if m["cp"] > 1 else {})},   # a folder's DP group: dp·cp ranks
                         "folders": {folder(t, p): {"tp": t, "pp": p, "tag": SUB_TAG}
                                     for p in range(m["pp"]) for t in range(m["tp"])},
                         "global_steps": engine.global_steps, "params": model,

@@ -27,14 +27,15 @@ from zerolab.engine.checkpoint.state import consolidated_state_dict, layout
 
 
 def mesh_sizes(engine) -> dict:
-    """{"dp", "tp", "pp", "dp_rank", "tp_rank", "pp_rank", "rank"} of the engine (no mesh: 1, 1, 1 and 0s)."""
+    """{"dp", "tp", "pp", "cp", "dp_rank", "tp_rank", "pp_rank", "rank"} of the engine (no mesh: 1s and 0s; a
+    coordinate's DP group, which writes its folder, is dp·cp ranks with cp > 1)."""
     mesh = getattr(engine, "mesh", None)
     if mesh is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return {"dp": engine.world_size, "tp": 1, "pp": 1, "dp_rank": engine.rank, "tp_rank": 0, "pp_rank": 0,
-                "rank": rank}
-    return {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "dp_rank": mesh.dp_rank, "tp_rank": mesh.tp_rank,
-            "pp_rank": mesh.pp_rank, "rank": mesh.rank}
+        return {"dp": engine.world_size, "tp": 1, "pp": 1, "cp": 1, "dp_rank": engine.rank, "tp_rank": 0,
+                "pp_rank": 0, "rank": rank}
+    return {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "dp_rank": mesh.dp_rank,
+            "tp_rank": mesh.tp_rank, "pp_rank": mesh.pp_rank, "rank": mesh.rank}
 
 
 def is_3d(engine) -> bool:
