@@ -128,14 +128,14 @@ def plan_check(traces, cluster, stage: int, model=TARGET) -> dict:
 
 
 def persistence_settings(threshold: int = 100_000, model=TARGET, d_model: int = replayed.TOY["d_model"]) -> dict:
-    """ZeRO-3 (prefetch on) without and with ``stage3_param_persistence_threshold``, the threshold chosen
-    by the target's parameter sizes.
+    """``{"ZeRO-3, norms persistent": zero keys}``: ``SETTINGS["ZeRO-3, prefetch"]`` (nothing persistent)
+    with ``stage3_param_persistence_threshold`` chosen by the *target's* parameter sizes.
 
     A threshold counts elements, so the toy's cannot be the target's: 1e5 (DeepSpeed's default) keeps
     Llama-2-13B's norm weights whole (5,120 elements each) and none of its matrices (26M and more),
     but it would keep *every* parameter of a toy of width 32 whole — the toy's run would gather
-    nothing. The recorded setting keeps the same set whole at the toy's width: the parameters of one
-    width (``d_model`` elements: norm weights and biases, the per-channel vectors), none of the matrices."""
+    nothing. The recorded setting keeps the same kind of parameter whole at the toy's width: those of
+    one width (``d_model`` elements: norm weights and biases, the per-channel vectors), no matrix."""
     from zerolab.theory.shapes import get_shape
     s = get_shape(model)
     smallest_matrix = s.hidden * (s.kv_heads * s.hidden // s.heads)
@@ -143,6 +143,4 @@ def persistence_settings(threshold: int = 100_000, model=TARGET, d_model: int = 
         raise ValueError(f"threshold {threshold:,} elements keeps {'nothing' if threshold < s.hidden else 'matrices'} "
                          f"of {s.name} whole: choose one between its norm ({s.hidden:,}) and its smallest matrix "
                          f"({smallest_matrix:,} elements)")
-    base = {"stage": 3, "overlap_comm": True}
-    return {"ZeRO-3, nothing persistent": base,
-            "ZeRO-3, norms persistent": {**base, "stage3_param_persistence_threshold": d_model}}
+    return {"ZeRO-3, norms persistent": {**SETTINGS["ZeRO-3, prefetch"], "stage3_param_persistence_threshold": d_model}}
