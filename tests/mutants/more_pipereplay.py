@@ -1,0 +1,17 @@
+"""Mutants of the pipeline replay (theory/replay_pipe.py) and of the bubble formulas it is checked against."""
+from mutants import Mutant
+
+P = "tests/test_replay_pipeline.py"
+MUTANTS = [
+    Mutant("pipe-p2p-free-across-nodes", "zerolab/theory/replay_pipe.py",
+           "    if a // ranks_per_node == b // ranks_per_node:\n        return node.intra",
+           "    if True:\n        return node.intra",
+           (f"{P}::test_free_p2p_gives_the_formula_and_crossing_nodes_pays_the_nic",),
+           "a send between stages on two nodes runs at NVLink speed instead of the GPU's NIC share"),
+    Mutant("pipe-recv-not-waiting", "zerolab/theory/replay_pipe.py",
+           "                    if arrive[key] > t[r]:",
+           "                    if False:",
+           (f"{P}::test_planted_receive_that_does_not_wait_is_caught",
+            f"{P}::test_hand_computed_two_stages_two_micro_batches_1f1b_to_the_microsecond"),
+           "a receive lets its rank's compute go on before the matching send has arrived"),
+]
