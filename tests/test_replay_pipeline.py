@@ -88,3 +88,23 @@ def test_planted_receive_that_does_not_wait_is_caught():
     """The hand schedule again with stage 1 unable to start before a0 arrives (2.5 us): its first F is there."""
     rep = replay(orders_trace(orders("1f1b", 2, 2), f=1e6, b=2e6, nbytes=1000), Cluster(EASY))
     assert rep.ops[1][0][3] == pytest.approx(2.5 * US, abs=1e-12)
+
+
+def test_step_time_3d_against_the_replay_equal_when_sends_are_free_and_apart_by_counted_messages():
+    """Llama-2-7B's shape (Ψ, hidden, 32 layers), pp 4, m 8, tp = dp = 1 on one DGX H100: with free p2p the
+    time model's pipeline (compute + bubble) equals the replayed 1F1B step; with NVLink's sends the model
+    counts 2(m + p - 1) = 22 message times (every send in series, the bubble stretched by them), the replay
+    16 (those on 1F1B's critical path: the fill, the drain and its steady state), GPipe's replay 6 = 2(p - 1)."""
+    from zerolab.theory.replay_time3d import compare
+    from zerolab.theory.shapes import SHAPES
+    s = SHAPES["llama-2-7b"]
+    cfg = dict(psi=s.params, seq=s.seq, hidden=s.hidden, layers=s.layers)
+    free = compare(orders("1f1b", 8, 4), FREE, **cfg)
+    assert free["terms"]["pp"] < 1e-18 and free["time3d"] == pytest.approx(free["replay"], rel=1e-12)
+    assert free["replay"] == pytest.approx(free["ideal"], rel=1e-12)
+    nv = compare(orders("1f1b", 8, 4), "dgx-h100", **cfg)
+    assert nv["time3d_messages"] == pytest.approx(2 * (8 + 4 - 1), rel=1e-9)
+    assert nv["replay_messages"] == pytest.approx(16, rel=1e-6)
+    assert nv["replay"] < nv["time3d"]
+    gpipe = compare(orders("gpipe", 8, 4), "dgx-h100", **cfg)
+    assert gpipe["replay_messages"] == pytest.approx(2 * (4 - 1), rel=1e-6)

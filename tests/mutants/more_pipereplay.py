@@ -14,4 +14,9 @@ MUTANTS = [
            (f"{P}::test_planted_receive_that_does_not_wait_is_caught",
             f"{P}::test_hand_computed_two_stages_two_micro_batches_1f1b_to_the_microsecond"),
            "a receive lets its rank's compute go on before the matching send has arrived"),
+    Mutant("bubble-formula-off-by-one", "zerolab/theory/bubble.py",
+           "    if kind in (\"gpipe\", \"1f1b\"):\n        return (p - 1) * (f + b + w)",
+           "    if kind in (\"gpipe\", \"1f1b\"):\n        return p * (f + b + w)",
+           (f"{P}::test_each_schedule_replayed_at_llama_size_gives_its_formula_when_p2p_is_free",),
+           "GPipe's and 1F1B's bubble counted over p stages instead of p - 1: above what the schedule idles"),
 ]
