@@ -13,7 +13,7 @@ from zerolab.theory.bubble import bubble_fraction
 from zerolab.theory.hardware import HARDWARE
 from zerolab.theory.network import Link
 from zerolab.theory.nodes import Node
-from zerolab.theory.replay import Cluster, replay
+from zerolab.theory.replay import Cluster, ReplayError, replay
 from zerolab.theory.replay_pipe import P2PMismatchError, orders_trace, replay_pipeline
 
 US = 1e-6
@@ -108,3 +108,14 @@ def test_step_time_3d_against_the_replay_equal_when_sends_are_free_and_apart_by_
     assert nv["replay"] < nv["time3d"]
     gpipe = compare(orders("gpipe", 8, 4), "dgx-h100", **cfg)
     assert gpipe["replay_messages"] == pytest.approx(2 * (4 - 1), rel=1e-6)
+
+
+def test_receives_that_wait_on_each_other_are_a_named_error_not_a_hang():
+    """Each rank first receives what the other sends only at its end: the messages pair up, the ranks deadlock."""
+    def msg(op, peer):
+        return ("p2p", 0, 0.0, {"op": op, "nbytes": 8, "peer": peer, "group": "pp", "tag": 9, "issued": 0.0,
+                                "waited": 0.0})
+    tr = orders_trace(orders("1f1b", 2, 2), f=1e6, b=2e6, nbytes=1000)
+    tr = [t[:1] + [msg("recv", 1 - r)] + t[1:] + [msg("send", 1 - r)] for r, t in enumerate(tr)]
+    with pytest.raises(ReplayError, match=r"cannot go on.*rank 0 at record 0 \(recv from rank 1\)"):
+        replay(tr, Cluster(EASY))

@@ -72,7 +72,6 @@ def side_by_side(stages: list, rep, name: str = "1F1B"):
     rep.plot(ax=bottom, title=f"The same trace replayed at Llama-2-7B's size on {rep.cluster} (modelled): "
                               f"step {rep.step_seconds * 1e3:.0f} ms, bubble {100 * rep.bubble:.1f} %")
     bottom.title.set_fontsize(9)
-    fig.tight_layout()
     alt = (f"Two Gantt charts of the same {name} pipeline step, ranks as rows, F in blue and B in orange "
            f"numbered by micro-batch. Top: measured on this laptop, {step:.2f} s, bubble "
            f"{100 * stages[0]['bubble']:.1f} %. Bottom: its trace replayed on {rep.cluster} at Llama-2-7B's "

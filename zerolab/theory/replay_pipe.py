@@ -68,8 +68,9 @@ class PipeReplay:
     def plot(self, ax=None, title=None, unit=1e3):
         """One row per rank: F, B, W boxes numbered by micro-batch, each send's flight as a thin bar (ms)."""
         import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
         if ax is None:
-            _, ax = plt.subplots(figsize=(9, 0.6 + 0.5 * len(self.ops)))
+            ax = Figure(figsize=(10, 1.2 + 0.5 * len(self.ops)), layout="constrained").subplots()
         colors = {"F": "C0", "B": "C1", "W": "C2"}
         for r, ops in enumerate(self.ops):
             for op, i, c, s, e in ops:
@@ -82,6 +83,7 @@ class PipeReplay:
                     ax.broken_barh([(s * unit, (e - s) * unit)], (r + 0.27, 0.1), facecolors="black")
         ax.set_yticks(range(len(self.ops)), [f"rank {r}" for r in range(len(self.ops))])
         ax.set_ylim(len(self.ops) - 0.5, -0.5)
+        ax.set_xlim(0, self.step_seconds * unit * 1.01)
         ax.set_xlabel("modelled time (ms)" if unit == 1e3 else "modelled time (us)")
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for op, c in colors.items() if any(
             o[0] == op for ops in self.ops for o in ops)] + [plt.Rectangle((0, 0), 1, 1, color="black")]
