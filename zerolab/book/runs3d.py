@@ -138,15 +138,17 @@ def _bubble_worker(p, m, kind, tf, tb, width, rows):
     stage = SleepyStage(width, tf, tb)
     batches = [(torch.randn(rows, width), torch.randn(rows, width)) for _ in range(m)]
     train_batch(stage, mesh, batches, lambda y, t: ((y - t) ** 2).mean(), kind)   # warm-up: connections, threads
-    train_batch(stage, mesh, batches, lambda y, t: ((y - t) ** 2).mean(), kind)
-    return stage.pipeline_stats
+    trace = []                                   # the measured step, traced for the replay on modelled GPUs
+    train_batch(stage, mesh, batches, lambda y, t: ((y - t) ** 2).mean(), kind, trace=trace)
+    return {**stage.pipeline_stats, "replay_trace": trace}
 
 
 def bubble_run(p=4, m=8, kind="1f1b", tf=0.04, tb=0.08, width=256, rows=64):
     """Per stage, what ``train_batch``'s recorder measured (``stage.pipeline_stats``): its operations as
     (kind, start, end) in seconds from the step's first operation on any rank, its idle fraction of the step
     (first operation anywhere to last anywhere), the most micro-batches in flight, the peak bytes of
-    activations kept; and ``bubble``, ``parallel.pipeline_bubble`` over every rank."""
+    activations kept; ``bubble``, ``parallel.pipeline_bubble`` over every rank; and ``trace``, the same step
+    as ``train_batch(..., trace=)`` recorded it (``zl.replay`` replays the stages' traces on a modelled cluster)."""
     from zerolab.parallel.pipeline_stats import pipeline_bubble
     stats = launch(_bubble_worker, p, args=(p, m, kind, tf, tb, width, rows), timeout=300, threads=1)
     t0 = min(op[2] for st in stats for op in st["trace"])
@@ -157,7 +159,7 @@ def bubble_run(p=4, m=8, kind="1f1b", tf=0.04, tb=0.08, width=256, rows=64):
         events = [(k, a - t0, b - t0) for k, _, a, b in st["trace"]]
         out.append({"events": events, "busy": st["busy"], "idle": 1 - st["busy"] / (t1 - t0),
                     "peak": st["in_flight_max"], "activations": st["activation_peak_bytes"], "step": t1 - t0,
-                    "bubble": bubble})
+                    "bubble": bubble, "trace": st["replay_trace"]})
     return out
 
 

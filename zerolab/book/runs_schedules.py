@@ -3,8 +3,9 @@
 * ``train_runs([(kind, v), ...], steps, m)`` (one schedule: ``train_run(kind, v, steps, m)``): TinyGPT
   "micro" with 4 layers (untied head) on ``zl.launch``'s 2 ranks as a pipeline (``pipeline_stage(model, mesh, virtual=v)``), trained ``steps`` Adam steps of
   ``m`` micro-batches with ``train_batch(..., kind)``; returns the whole model's state (both ranks'
-  parameters under their original names), the losses, per rank the sends, the Linears it holds and the
-  deferred weight passes its last step's W operations ran. ``reference(steps, m)``: the same steps
+  parameters under their original names), the losses, per rank the sends, the Linears it holds, the
+  deferred weight passes its last step's W operations ran and that step's trace (``train_batch(...,
+  trace=)``: what ``zl.replay`` replays on a modelled cluster). ``reference(steps, m)``: the same steps
   in one process. ``max_difference(a, b)``: the largest |difference| between two states.
 * ``SleepBlock``: a Linear that *sleeps* ``secs`` in forward, in B and in W (its W filed through
   ``pipeline_zb.deferred()`` under a split backward, else slept inside the backward), so that the
@@ -49,13 +50,15 @@ def _train_worker(cases, steps, m):
         stage = pipeline_stage(model, mesh, virtual=v)
         opt = torch.optim.Adam(stage.parameters(), lr=LR)
         losses, sent = [], mesh.ledger.count("send")
+        trace = []                                      # the last step, traced for the replay on modelled GPUs
         for step in range(steps):
             opt.zero_grad()
-            losses.append(train_batch(stage, mesh, batches(model, step, m), loss_fn, kind))
+            losses.append(train_batch(stage, mesh, batches(model, step, m), loss_fn, kind,
+                                      trace=trace if step == steps - 1 else None))
             opt.step()
         out[kind] = {"state": {n: t.detach().clone() for n, t in stage.state_dict().items()}, "losses": losses,
                      "sends": mesh.ledger.count("send") - sent, "weight_passes": stage.pipeline_stats["weight_passes"],
-                     "linears": sum(isinstance(q, nn.Linear) for q in stage.modules())}
+                     "linears": sum(isinstance(q, nn.Linear) for q in stage.modules()), "trace": trace}
     return out
 
 
@@ -66,7 +69,7 @@ def train_runs(cases, steps: int = 3, m: int = 4) -> dict:
     return {kind: {"state": {**results[0][kind]["state"], **results[1][kind]["state"]},
                    "losses": results[0][kind]["losses"], "sends": [r[kind]["sends"] for r in results],
                    "weight_passes": [r[kind]["weight_passes"] for r in results],
-                   "linears": [r[kind]["linears"] for r in results]}
+                   "linears": [r[kind]["linears"] for r in results], "traces": [r[kind]["trace"] for r in results]}
             for kind, _ in cases}
 
 

@@ -42,6 +42,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from zerolab.parallel.pipeline_blocks import as_sequential
 from zerolab.parallel.pipeline_interleaved import chunked_stage
 from zerolab.parallel.pipeline_run import pipeline_bubble, train_batch
 from zerolab.parallel.pipeline_schedule import SCHEDULES, P2P, schedule, split_blocks
@@ -96,12 +97,7 @@ def pipeline_stage(model, mesh, virtual: int = 1) -> nn.Module:
         tied = p > 1 and model.head.weight is model.wte.weight
         stage = GPTStage(model, lo, hi, s == 0, s == p - 1, tied)
     else:
-        if isinstance(model, (list, nn.ModuleList)):
-            model = nn.Sequential(*model)
-        if not isinstance(model, nn.Sequential):
-            raise ValueError(f"pipeline_stage: a model is split by its blocks: an nn.Sequential (or list) of "
-                             f"blocks, or a GPT-shaped model (wte, wpe, blocks, ln_f, head); got "
-                             f"{type(model).__name__}, which cannot be cut")
+        model = as_sequential(model)
         bounds = split_blocks(len(model), p)
         owner = {id(q): k for k, (lo, hi) in enumerate(bounds) for i in range(lo, hi) for q in model[i].parameters()}
         lo, hi = bounds[s]

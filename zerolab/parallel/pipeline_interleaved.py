@@ -24,6 +24,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from zerolab.parallel.pipeline_blocks import as_sequential
+
 
 def virtual_split(n_blocks: int, p: int, v: int) -> list:
     """``out[r][c]``: the (first, last + 1) block indices of chunk c of rank r (virtual stage c·p + r)."""
@@ -106,12 +108,7 @@ def chunked_stage(model, mesh, v: int) -> ChunkedStage:
                              "virtual stages; build the model with tie_weights=False")
         n = len(model.blocks)
     else:
-        if isinstance(model, (list, nn.ModuleList)):
-            model = nn.Sequential(*model)
-        if not isinstance(model, nn.Sequential):
-            raise ValueError(f"pipeline_stage: a model is split by its blocks: an nn.Sequential (or list) of "
-                             f"blocks, or a GPT-shaped model (wte, wpe, blocks, ln_f, head); got "
-                             f"{type(model).__name__}, which cannot be cut")
+        model = as_sequential(model)
         n = len(model)
     bounds = virtual_split(n, p, v)
     if not gpt:

@@ -38,6 +38,7 @@ import torch
 from zerolab.parallel.pipeline_interleaved import ChunkedStage
 from zerolab.parallel.pipeline_schedule import P2P, schedule
 from zerolab.parallel.pipeline_stats import StepRecorder, pipeline_bubble
+from zerolab.parallel.pipeline_trace import PipeTracer
 from zerolab.parallel.pipeline_zb import run_w, split_linears
 
 __all__ = ["train_batch", "pipeline_bubble"]
@@ -47,12 +48,13 @@ def _is_engine(stage) -> bool:
     return hasattr(stage, "backward") and hasattr(stage, "gas") and hasattr(stage, "step")
 
 
-def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b") -> float:
+def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", trace=None) -> float:
     """One step over ``batches`` (a list of (inputs, targets), the same on every stage of a
     pipeline) through the pipeline; returns the mean loss, the same on every rank. ``stage``:
     this rank's stage module, or an engine over it (then ``len(batches)`` must be its
     gradient_accumulation_steps). What a stage returns passes to the next as it is: a tensor or a
-    tuple of tensors, of any dtype and shape (an integer tensor travels without a gradient)."""
+    tuple of tensors, of any dtype and shape (an integer tensor travels without a gradient). ``trace``: a
+    list that receives this rank's step for the replay on modelled GPUs (``pipeline_trace.py``)."""
     p, s = (mesh.pp, mesh.pp_rank) if mesh is not None else (1, 0)
     m = len(batches)
     engine = stage if _is_engine(stage) else None
@@ -72,8 +74,10 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b") -> f
     # the exercise's harness replaces `schedule` by a function of (kind, m, p, s): v is passed only when > 1
     order = schedule(schedule_kind, m, p, s) if v == 1 else schedule(schedule_kind, m, p, s, v)
     V, split = p * v, schedule_kind == "zb-h1"
-    link = P2P(mesh) if p > 1 else None
+    tracer = PipeTracer(trace, mesh, module, v) if trace is not None else None
+    link = P2P(mesh, tracer) if p > 1 else None
     rec = StepRecorder(module.parameters(), split=split)
+    timed = rec.op if tracer is None else lambda op, i, c: _both(rec.op(op, i, c), tracer.op(op, i, c, c * p + s))
     inputs, outputs, losses, stores = {}, {}, [], {}
     last_b = max(k for k, (op, *_) in enumerate(order) if op == "B")
     for k, action in enumerate(order):
@@ -81,13 +85,13 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b") -> f
         j = c * p + s                                   # this action's virtual stage (v = 1: the stage)
         first, last = j == 0, j == V - 1
         if op == "W":
-            with rec.op("W", i, c):
+            with timed("W", i, c):
                 rec.weight_passes += run_w(stores.pop((i, c)))
             continue
         if op == "F":
             x = batches[i][0] if first else _leaf(link.recv((j - 1) % p, _tag(v, "F", j)))
             deferring = split_linears(stores.setdefault((i, c), [])) if split else contextlib.nullcontext()
-            with rec.op("F", i, c), deferring:
+            with timed("F", i, c), deferring:
                 y = module.forward_chunk(c, x) if v > 1 else stage(x)
                 if last:
                     y = loss_fn(y, batches[i][1])
@@ -99,7 +103,7 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b") -> f
         x, y = inputs.pop((i, c)), outputs.pop((i, c))
         grad = link.recv((j + 1) % p, _tag(v, "B", j)) if not last and _floats(y) else None
         defer = bool(tied) and engine is not None and k == last_b
-        with rec.op("B", i, c):
+        with timed("B", i, c):
             if last:
                 target = y if engine is not None else y / m   # an engine divides by its gas itself
             else:   # an engine divides what it is given by gas: the gradient received already was
@@ -130,6 +134,12 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b") -> f
         dp.all_reduce(loss, op="avg", tag="pipeline-loss", control=True)   # bookkeeping: in ledger.control
     stage.pipeline_stats = rec.stats()
     return float(loss)
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield
 
 
 def _check_kind(kind: str, v: int, engine) -> None:

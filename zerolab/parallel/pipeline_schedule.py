@@ -15,6 +15,8 @@ ignores tags, so the interleaved schedule is run and tested on gloo's CPU ranks 
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -70,10 +72,12 @@ class P2P:
     What passes is a tensor or a tuple of tensors. Each send is preceded by a header (int64: its
     length, then whether a tuple, the number of tensors, and per tensor its dtype code and number of
     dimensions and shape), so the receiver allocates what was sent, whatever its dtype and number of
-    dimensions. Each payload is booked in the mesh's ledger under "pp" (the headers are not)."""
+    dimensions. Each payload is booked in the mesh's ledger under "pp" (the headers are not). With a
+    ``tracer`` (``pipeline_trace.PipeTracer``) each send and receive is also recorded for the replay."""
 
-    def __init__(self, mesh):
-        self.mesh, self.ranks, self.pending = mesh, mesh.ranks("pp"), []
+    def __init__(self, mesh, tracer=None):
+        self.mesh, self.ranks, self.pending, self.tracer = mesh, mesh.ranks("pp"), [], tracer
+        self.sent = []   # the traced sends' records: their wait is the end of the step
 
     def _book(self, op, t, peer):
         k = self.mesh.ranks_per_node
@@ -95,10 +99,13 @@ class P2P:
             if q.numel():
                 self.pending.append((dist.isend(q, peer, tag=tag), q))
             self._book("send", q, peer)
+        if self.tracer is not None:
+            self.sent.append(self.tracer.p2p("send", sum(q.numel() * q.element_size() for q in parts), peer, tag,
+                                             time.perf_counter(), None))
 
     def recv(self, stage, tag: int = 0):
         """The tensor (or tuple) the neighbouring ``stage`` sent (with ``tag``), in its dtype and shape."""
-        peer = self.ranks[stage]
+        peer, issued = self.ranks[stage], time.perf_counter()
         n = torch.empty(1, dtype=torch.int64)
         dist.recv(n, peer, tag=tag)
         head = torch.empty(int(n), dtype=torch.int64)
@@ -112,12 +119,21 @@ class P2P:
                 dist.recv(q, peer, tag=tag)
             self._book("recv", q, peer)
             parts.append(q)
+        if self.tracer is not None:
+            self.tracer.p2p("recv", sum(q.numel() * q.element_size() for q in parts), peer, tag, issued,
+                            time.perf_counter())
         return tuple(parts) if head[0] else parts[0]
 
     def wait(self):
         for work, _ in self.pending:
             work.wait()
         self.pending.clear()
+        if self.tracer is not None:
+            now = time.perf_counter()
+            for info in self.sent:
+                info["waited"] = now
+            self.sent.clear()
+            self.tracer.drained()
 
 
 def tensors(t, what: str) -> list:

@@ -24,45 +24,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zerolab.theory.hardware import ADAM_HOST_BYTES, HARDWARE, Hardware, get_hardware
+from zerolab.theory.hardware import ADAM_HOST_BYTES
 from zerolab.theory.network import ring_bytes, ring_steps
+from zerolab.theory.replay_cluster import Cluster, get_cluster
 from zerolab.theory.replay_scale import ReplayError, Scaler, count_passes, placement
 
 __all__ = ["Cluster", "Replay", "ReplayError", "get_cluster", "replay"]
 ADAM_HBM = {True: 30, False: 28}   # HBM bytes per element of an Adam update: with an fp32 master / without
 LANE = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "reduce-scatter",
         "all_to_all": "reduce-scatter", "broadcast": "all-gather"}
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """``nodes`` nodes of ``hardware`` (a ``theory.HARDWARE`` preset)."""
-    hardware: Hardware
-    nodes: int = 1
-
-    def __post_init__(self):
-        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
-            raise ValueError(f"Cluster nodes must be an integer >= 1, got {self.nodes!r}")
-
-    @property
-    def gpus(self) -> int:
-        return self.nodes * self.hardware.node.gpus
-
-    def __str__(self):
-        return f"{self.nodes} x {self.hardware.name}" if self.nodes > 1 else self.hardware.name
-
-
-def get_cluster(cluster) -> Cluster:
-    """A ``Cluster``; a ``Hardware`` (one node); or a preset name, ``"dgx-h100"`` or ``"dgx-h100:4"`` (4 nodes)."""
-    if isinstance(cluster, Cluster):
-        return cluster
-    if isinstance(cluster, Hardware):
-        return Cluster(cluster)
-    name, _, nodes = str(cluster).partition(":")
-    if name not in HARDWARE or (nodes and not nodes.isdigit()):
-        raise ReplayError(f"unknown cluster {cluster!r}; presets: {sorted(HARDWARE)}, optionally ':NODES' "
-                          f"(e.g. 'dgx-h100:2'), or a zerolab.theory.replay.Cluster")
-    return Cluster(get_hardware(name), int(nodes or 1))
 
 
 @dataclass
@@ -209,8 +179,12 @@ def _optimizer_seconds(numel, meta, cluster):
 def replay(traces, cluster="dgx-h100", model=None) -> Replay:
     """Replay each rank's trace (``engine.events`` of a traced run, one list per rank, as ``zl.launch``
     returns them) on ``cluster`` (a ``Cluster``, ``Hardware`` or preset name, ``"dgx-h100:2"`` for two
-    nodes); ``model``: a ``theory.ModelShape`` or preset name (``theory.SHAPES``) to replay at that size."""
+    nodes); ``model``: a ``theory.ModelShape`` or preset name (``theory.SHAPES``) to replay at that size.
+    A pipeline step's traces (``train_batch(..., trace=)``) go to ``replay_pipe.replay_pipeline``."""
     cluster = get_cluster(cluster)
+    if traces and traces[0] and (_info(traces[0][0]) or {}).get("pipeline"):   # a pipeline step: sends, receives
+        from zerolab.theory.replay_pipe import replay_pipeline
+        return replay_pipeline(traces, cluster, model)
     metas, progs = _parse(traces)
     meta = metas[0]
     if meta["world"] > cluster.gpus:

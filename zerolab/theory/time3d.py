@@ -19,6 +19,9 @@ overlapped, with m micro-batches per DP rank and p = ``pp`` stages:
   Its ring crosses nodes when n > GPUs per node; a node holds min(tp·pp, GPUs per node) DP rings at
   once, sharing its NICs: each runs at min(NVLink, NICs x speed / min(tp·pp, GPUs per node)). At
   tp = pp = 1 that is ``theory.nodes``' ring across nodes, the rate ``step_comm_time`` uses.
+
+Against the pipeline replay (``replay_time3d.compare``): equal when sends are free; with sends, this
+model counts 2(m + p - 1) send times in series, the replayed 1F1B only those on its critical path.
 """
 from __future__ import annotations
 
