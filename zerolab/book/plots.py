@@ -119,12 +119,13 @@ def stage_memory_bars(data, capacity_gb=None, ax=None, title=None):
                 labels[i] += f"\n{key}: {gb_label(v / GB)}"
     ax.set_xticks(xs, labels)
     if capacity_gb:
-        ax.axhline(capacity_gb, color="black", linestyle="--", linewidth=1.2)
-        ax.text(-0.45, capacity_gb, f"{capacity_gb:g} GB GPU", va="bottom", ha="left", fontsize=8)
+        ax.axhline(capacity_gb, color="black", linestyle="--", linewidth=1.2,
+                   label=f"{capacity_gb:g} GB GPU")   # named in the legend: a text on the line sat on a bar
     ax.set_ylabel("memory per GPU (GB = 1e9 bytes)")
     ax.set_xlabel("data-parallel strategy")
     ax.set_title(title or "Memory per GPU by stage")
-    ax.legend(loc="upper center", fontsize=7, ncols=4, framealpha=0.9)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7, ncols=5 if capacity_gb else 4,
+              frameon=False)   # under the axis: tall (clipped) bars reach the top of the plot
     return ax
 
 
@@ -157,7 +158,7 @@ def memory_bars(predicted, measured=None, ax=None, title=None,
             ax.bar(xs, vals, bottom=bottom, width=width, color=COLORS[cat], hatch=hatch,
                    edgecolor="white", label=cat if name == series[-1][0] else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
-        _label_bars(ax, xs, bottom, "{:.3g}")
+        _label_bars(ax, xs, bottom, "{:.3g} " + unit)
     ax.set_xticks(range(len(predicted)), [f"rank {i}" for i in range(len(predicted))])
     pad = max(0.0, (3 - len(predicted)) / 2)           # keep one or two ranks from filling the axes
     ax.set_xlim(-0.5 - pad, len(predicted) - 0.5 + pad)
