@@ -68,10 +68,12 @@ def partition_figure(flat, stages=(0, 1, 2, 3)):
                 y += LANE_BYTES[cat]
         for u in flat.units:
             ax.axvline(u.offset, color="white", linewidth=1.5)
-            if u.padded > u.numel:
+            if u.padded > u.numel:      # a few elements: their true width, and a marker that stays visible
                 ax.axvspan(u.offset + u.numel, u.offset + u.padded, color="black", alpha=0.25, linewidth=0)
+                ax.plot([u.offset + u.numel] * n, [r * (height + 4) - 1.2 for r in range(n)], linestyle="none",
+                        marker="v", markersize=4, color="black", gid="padding", clip_on=False)
         ax.set_xlim(0, flat.padded)
-        ax.set_ylim(n * (height + 4) - 4, 0)
+        ax.set_ylim(n * (height + 4) - 4, -3)                    # room above rank 0 for its padding marks
         ax.set_yticks([r * (height + 4) + height / 2 for r in range(n)], [f"rank {r}" for r in range(n)])
         ax.set_xticks([u.offset + u.padded / 2 for u in flat.units], [u.name for u in flat.units], fontsize=7,
                       rotation=90 if len(flat.units) > 4 else 0)
@@ -79,14 +81,23 @@ def partition_figure(flat, stages=(0, 1, 2, 3)):
         ax.set_title(f"{STAGE_NAMES[stage]}\nsharded: {', '.join(cut) if cut else 'nothing'}", fontsize=9)
         if ax is not axes[0]:
             ax.set_yticks([])
-    fig.legend(handles=[Rectangle((0, 0), 1, 1, color=COLORS[c]) for c in STATES], fontsize=8, ncols=3,
-               labels=[f"{c} ({LANE_BYTES[c]} bytes/param)" for c in STATES], loc="outside upper center",
+    pads = {u.name: u.padded - u.numel for u in flat.units if u.padded > u.numel}
+    handles = [Rectangle((0, 0), 1, 1, color=COLORS[c]) for c in STATES]
+    labels = [f"{c} ({LANE_BYTES[c]} bytes/param)" for c in STATES]
+    if pads:
+        from matplotlib.lines import Line2D
+        handles.append(Line2D([], [], linestyle="none", marker="v", markersize=4, color="black"))
+        labels.append(f"padding ({min(pads.values())}-{max(pads.values())} zero elements per unit)")
+    fig.legend(handles=handles, labels=labels, fontsize=8, ncols=2, loc="outside upper center",
                frameon=False)
-    fig.supxlabel("flat parameter space, unit after unit (grey: not held; dark: padding)", fontsize=8)
+    fig.supxlabel("flat parameter space (elements), unit after unit; grey: not held"
+                  + ("; ▼: where a unit's padding starts" if pads else ""), fontsize=8)
     alt = (f"Partition picture for {n} ranks and {len(flat.units)} units: for "
            + "; ".join(f"{STAGE_NAMES[s]} every rank holds "
                        + ", ".join(f"1/{n} of the {c}" if c in sharded(s) else f"all {c}" for c in STATES)
-                       for s in stages) + ".")
+                       for s in stages) + "."
+           + (" Padding, marked by a triangle: " + ", ".join(f"{k} {v}" for k, v in pads.items())
+              + " zero element(s)." if pads else " No padding: every unit splits evenly."))
     return fig, alt
 
 
