@@ -134,3 +134,18 @@ def test_timeline_gives_every_kind_its_own_colour():
     faces = {t.get_text(): face(h) for t, h in zip(legend.get_texts(), legend.legend_handles)}
     assert sorted(faces) == sorted(kinds) and len(set(faces.values())) == len(kinds), faces
     assert faces["grad reduction"] == plots.KIND_COLORS["reduce-scatter"].lower()
+
+
+def test_bucket_path_at_stage_2_says_unit_by_unit():
+    """ZeRO-2 reduces each unit as soon as it is complete (Stage2Engine.grad_arrived), not a bucket at a
+    time: the figure and its alt text say so; DDP's all-reduce stays one per bucket."""
+    flat = layout(2)
+    fig, alt = figures.bucket_path_figure(flat, 20_000, op="reduce_scatter", gather_bucket=10**9, keep_shard=True)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    buckets = group_units(flat.units, 20_000)
+    assert [t for t in texts if "x reduce-scatter: each unit's" in t] == [
+        f"{i + 1}. {len(b)} x reduce-scatter: each unit's\nas soon as it is complete,\nkeep own 1/N, free it"
+        for i, b in enumerate(buckets)]
+    assert "each unit is reduced by its own reduce-scatter as soon as the unit is complete" in alt
+    _, ddp_alt = figures.bucket_path_figure(flat, 20_000, op="all_reduce")
+    assert "each reduced by one all-reduce as soon as it is complete, in bucket order" in ddp_alt
