@@ -103,3 +103,49 @@ def test_nbconvert_finds_no_image_without_alt(tmp_path):
         nbformat.v4.new_output("display_data", data=bundle)])])
     html, _ = nbconvert.HTMLExporter().from_notebook_node(nb)
     assert "No description has been provided" not in html and f'alt="{alt[:40]}' in html
+
+
+def test_partition_figure_marks_the_padding_visibly():
+    """The padding is 1-2 elements of ~30,000 (invisible at its true width): each padded unit gets a
+    marker per rank, and the legend and alt text count it; an even split marks nothing."""
+    flat = layout(3)
+    fig, alt = figures.partition_figure(flat, stages=(0, 1))
+    pads = [u for u in flat.units if u.padded > u.numel]
+    assert pads
+    for ax in fig.axes:
+        marks = [line for line in ax.lines if line.get_gid() == "padding"]
+        assert sorted(float(line.get_xdata()[0]) for line in marks) == sorted(u.offset + u.numel for u in pads)
+        assert all(len(line.get_xdata()) == 3 for line in marks)                  # one per rank
+    assert "Padding, marked by a triangle: rest 2, wpe 1" in alt
+    even_fig, even_alt = figures.partition_figure(layout(2), stages=(0,))
+    assert not [line for line in even_fig.axes[0].lines if line.get_gid() == "padding"] and "No padding" in even_alt
+
+
+def test_timeline_gives_every_kind_its_own_colour():
+    """book.runs' rows ('grad reduction', 'param all-gather') and kinds nobody named must not borrow a
+    colour another kind in the same figure has (backward and grad reduction were both green)."""
+    import matplotlib.colors as mcolors
+    kinds = ["forward", "backward", "optimizer step", "grad reduction", "param all-gather", "odd-1", "odd-2"]
+    ax = plots.plot_timeline([[(k, i, i + 0.5) for i, k in enumerate(kinds)]])
+    legend = ax.get_legend()
+    def face(handle):
+        fc = handle.get_facecolor()
+        return mcolors.to_hex(fc[0] if hasattr(fc[0], "__len__") else fc)
+    faces = {t.get_text(): face(h) for t, h in zip(legend.get_texts(), legend.legend_handles)}
+    assert sorted(faces) == sorted(kinds) and len(set(faces.values())) == len(kinds), faces
+    assert faces["grad reduction"] == plots.KIND_COLORS["reduce-scatter"].lower()
+
+
+def test_bucket_path_at_stage_2_says_unit_by_unit():
+    """ZeRO-2 reduces each unit as soon as it is complete (Stage2Engine.grad_arrived), not a bucket at a
+    time: the figure and its alt text say so; DDP's all-reduce stays one per bucket."""
+    flat = layout(2)
+    fig, alt = figures.bucket_path_figure(flat, 20_000, op="reduce_scatter", gather_bucket=10**9, keep_shard=True)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    buckets = group_units(flat.units, 20_000)
+    assert [t for t in texts if "x reduce-scatter: each unit's" in t] == [
+        f"{i + 1}. {len(b)} x reduce-scatter: each unit's\nas soon as it is complete,\nkeep own 1/N, free it"
+        for i, b in enumerate(buckets)]
+    assert "each unit is reduced by its own reduce-scatter as soon as the unit is complete" in alt
+    _, ddp_alt = figures.bucket_path_figure(flat, 20_000, op="all_reduce")
+    assert "each reduced by one all-reduce as soon as it is complete, in bucket order" in ddp_alt

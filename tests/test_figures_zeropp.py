@@ -48,3 +48,17 @@ def test_planted_measurement_off_its_prediction_shows_in_the_alt():
     m["qgZ"]["inter"] += 36                      # a ledger that books bytes the model does not predict
     _, alt = tier_bytes_figure(m)
     assert "qgZ 56,400 inside the node and 50,796 across (predicted: 56,400 and 50,760)" in alt
+
+
+@pytest.mark.parametrize("n, k", [(4, 2), (8, 4), (12, 4)])
+def test_topology_lines_cross_no_rank_box(n, k):
+    """A red inter-node line runs from one node's rank box to the next node's, in the gap between them:
+    it never crosses the text of a box (the rank, its primary and secondary shard)."""
+    fig, _ = topology_figure(n, k)
+    ax = fig.axes[0]
+    lines = [line for line in ax.lines if line.get_color() == "tab:red"]
+    assert len(lines) == k * (n // k - 1)
+    for line in lines:
+        x, (y0, y1) = line.get_xdata()[0], sorted(line.get_ydata())
+        inside = [t for t in ax.texts if abs(t.get_position()[0] - x) < 1e-9 and y0 < t.get_position()[1] < y1]
+        assert not inside, [t.get_text() for t in inside]

@@ -68,10 +68,12 @@ def partition_figure(flat, stages=(0, 1, 2, 3)):
                 y += LANE_BYTES[cat]
         for u in flat.units:
             ax.axvline(u.offset, color="white", linewidth=1.5)
-            if u.padded > u.numel:
+            if u.padded > u.numel:      # a few elements: their true width, and a marker that stays visible
                 ax.axvspan(u.offset + u.numel, u.offset + u.padded, color="black", alpha=0.25, linewidth=0)
+                ax.plot([u.offset + u.numel] * n, [r * (height + 4) - 1.2 for r in range(n)], linestyle="none",
+                        marker="v", markersize=4, color="black", gid="padding", clip_on=False)
         ax.set_xlim(0, flat.padded)
-        ax.set_ylim(n * (height + 4) - 4, 0)
+        ax.set_ylim(n * (height + 4) - 4, -3)                    # room above rank 0 for its padding marks
         ax.set_yticks([r * (height + 4) + height / 2 for r in range(n)], [f"rank {r}" for r in range(n)])
         ax.set_xticks([u.offset + u.padded / 2 for u in flat.units], [u.name for u in flat.units], fontsize=7,
                       rotation=90 if len(flat.units) > 4 else 0)
@@ -79,17 +81,24 @@ def partition_figure(flat, stages=(0, 1, 2, 3)):
         ax.set_title(f"{STAGE_NAMES[stage]}\nsharded: {', '.join(cut) if cut else 'nothing'}", fontsize=9)
         if ax is not axes[0]:
             ax.set_yticks([])
-    fig.legend(handles=[Rectangle((0, 0), 1, 1, color=COLORS[c]) for c in STATES], fontsize=8, ncols=3,
-               labels=[f"{c} ({LANE_BYTES[c]} bytes/param)" for c in STATES], loc="outside upper center",
+    pads = {u.name: u.padded - u.numel for u in flat.units if u.padded > u.numel}
+    handles = [Rectangle((0, 0), 1, 1, color=COLORS[c]) for c in STATES]
+    labels = [f"{c} ({LANE_BYTES[c]} bytes/param)" for c in STATES]
+    if pads:
+        from matplotlib.lines import Line2D
+        handles.append(Line2D([], [], linestyle="none", marker="v", markersize=4, color="black"))
+        labels.append(f"padding ({min(pads.values())}-{max(pads.values())} zero elements per unit)")
+    fig.legend(handles=handles, labels=labels, fontsize=8, ncols=2, loc="outside upper center",
                frameon=False)
-    pad = sum(u.padded - u.numel for u in flat.units)      # drawn dark; named only when there is some
-    fig.supxlabel("flat parameter space (elements), unit after unit (grey: not held; "
-                  + (f"dark: padding, {pad} elements)" if pad else f"no padding: N = {n} divides every unit)"),
+    fig.supxlabel("flat parameter space (elements), unit after unit; grey: not held"
+                  + ("; ▼: where a unit's padding starts" if pads else f"; no padding: N = {n} divides every unit"),
                   fontsize=8)
     alt = (f"Partition picture for {n} ranks and {len(flat.units)} units: for "
            + "; ".join(f"{STAGE_NAMES[s]} every rank holds "
                        + ", ".join(f"1/{n} of the {c}" if c in sharded(s) else f"all {c}" for c in STATES)
-                       for s in stages) + ".")
+                       for s in stages) + "."
+           + (" Padding, marked by a triangle: " + ", ".join(f"{k} {v}" for k, v in pads.items())
+              + " zero element(s)." if pads else " No padding: every unit splits evenly."))
     return fig, alt
 
 
@@ -101,12 +110,18 @@ def bucket_path_figure(flat, bucket_size: int, op="all_reduce", gather_bucket=No
     order = [u for b in buckets for u in b]                    # backward order, as the hooks fire
     total = sum(u.padded for u in order)
     x, gap = 0.0, total * 0.015
+    small, prev_small = 0, False
     palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
     for i, b in enumerate(buckets):
         start = x
         for u in b:
             ax.add_patch(Rectangle((x, 2.2), u.padded, 0.6, facecolor=COLORS["grads"], edgecolor="white"))
-            ax.text(x + u.padded / 2, 2.5, u.name, ha="center", va="center", fontsize=7, color="white")
+            if u.padded >= 0.06 * total:
+                ax.text(x + u.padded / 2, 2.5, u.name, ha="center", va="center", fontsize=7, color="white")
+            else:   # too narrow for its name: above the box, alternating heights so neighbours do not collide
+                small = small + 1 if prev_small else 0
+                ax.text(x + u.padded / 2, 2.86 + 0.14 * (small % 2), u.name, ha="center", va="bottom", fontsize=6)
+            prev_small = u.padded < 0.06 * total
             x += u.padded
         width = x - start
         ax.add_patch(Rectangle((start, 1.1), width, 0.6, facecolor=palette[i % 6], alpha=0.85))
@@ -114,10 +129,11 @@ def bucket_path_figure(flat, bucket_size: int, op="all_reduce", gather_bucket=No
                 color="white")
         ax.add_patch(FancyArrowPatch((start + width / 2, 2.15), (start + width / 2, 1.75), arrowstyle="-|>",
                                      mutation_scale=10))
-        label = op.replace("_", "-") + (" → keep own 1/N,\nfree the bucket" if keep_shard else "")
+        label = (f"{len(b)} x {op.replace('_', '-')}: each unit's\nas soon as it is complete,\nkeep own 1/N, free it"
+                 if keep_shard else op.replace("_", "-"))      # stage 2 reduces unit by unit (stage2.reduce_units)
         ax.add_patch(FancyArrowPatch((start + width / 2, 1.05), (start + width / 2, 0.55), arrowstyle="-|>",
                                      mutation_scale=10))
-        ax.text(start + width / 2, 0.35, f"{i + 1}. {label}", ha="center", va="center", fontsize=7)
+        ax.text(start + width / 2, 0.3, f"{i + 1}. {label}", ha="center", va="center", fontsize=7)
         x += gap
     ax.text(-gap, 2.5, "gradients\n(hook fires)", ha="right", va="center", fontsize=8)
     ax.text(-gap, 1.4, "buckets", ha="right", va="center", fontsize=8)
@@ -125,8 +141,10 @@ def bucket_path_figure(flat, bucket_size: int, op="all_reduce", gather_bucket=No
     alt = (f"Backward produces gradients from the last unit to the first; with reduce_bucket_size "
            f"{bucket_size:,} they form {len(buckets)} bucket(s) ("
            + "; ".join(f"bucket {i}: {' + '.join(u.name for u in b)}" for i, b in enumerate(buckets))
-           + f"), each reduced by one "
-           f"{op.replace('_', '-')} as soon as it is complete, in bucket order on every rank")
+           + (f"); each unit is reduced by its own {op.replace('_', '-')} as soon as the unit is complete, without "
+              f"waiting for the rest of its bucket, in backward order on every rank; the rank keeps its 1/N and frees "
+              f"the unit's buffer" if keep_shard else
+              f"), each reduced by one {op.replace('_', '-')} as soon as it is complete, in bucket order on every rank"))
     if gather_bucket is not None:
         gathers = group_units(flat.units, gather_bucket)
         ax.text(total / 2, -0.35, f"after the step: {len(gathers)} all-gather(s) of the updated parameters "
@@ -134,7 +152,7 @@ def bucket_path_figure(flat, bucket_size: int, op="all_reduce", gather_bucket=No
                 bbox=dict(facecolor=COLORS["params"], alpha=0.25, edgecolor="none"))
         alt += f"; after the optimizer step {len(gathers)} all-gather(s) bring back the updated parameters"
     ax.set_xlim(-total * 0.16, x)
-    ax.set_ylim(-0.7 if gather_bucket is not None else 0, 3.0)
+    ax.set_ylim(-0.7 if gather_bucket is not None else 0, 3.3)
     ax.axis("off")
     ax.set_title(f"From gradient hook to bucket to {op.replace('_', '-')} (N = {flat.padded // flat.shard_numel})",
                  fontsize=10)

@@ -21,7 +21,7 @@ def ring_figure(n: int = 4):
     """One panel per state (2(N−1)+1): rows are ranks, columns chunks, shade = share of ranks summed in."""
     from matplotlib.figure import Figure
     states = ring_allreduce_states(n)
-    fig = Figure(figsize=(1.45 * len(states) + 0.6, 0.5 * n + 1.3), layout="constrained")
+    fig = Figure(figsize=(1.45 * len(states) + 0.6, 2.8), layout="constrained")   # square panels: width sets height
     axes = fig.subplots(1, len(states), squeeze=False)[0]
     for k, (ax, state) in enumerate(zip(axes, states)):
         grid = [[len(state[r][c]) / n for c in range(n)] for r in range(n)]
@@ -34,6 +34,10 @@ def ring_figure(n: int = 4):
         ax.set_title(f"{phase}\nstep {k}", fontsize=8)
         ax.set_xticks(range(n), [f"c{c}" for c in range(n)], fontsize=7)
         ax.set_yticks(range(n), [f"rank {r}" for r in range(n)] if k == 0 else [], fontsize=7)
+    fig.suptitle(f"Ring all-reduce on {n} ranks: how many ranks' contributions each copy of each chunk holds",
+                 fontsize=9)
+    fig.supxlabel("chunk of the tensor (c0 ... c{}); shade and number: contributions summed in, of {}".format(n - 1, n),
+                  fontsize=8)
     done = [(r, c) for r in range(n) for c in range(n) if len(states[n - 1][r][c]) == n]
     alt = (f"Ring all-reduce on {n} ranks, {len(states) - 1} steps: each panel is a rank-by-chunk grid "
            f"whose number is how many ranks' contributions that copy holds. After the {n - 1} reduce-scatter "

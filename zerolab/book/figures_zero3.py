@@ -211,7 +211,7 @@ def moment_figure(events_per_rank, units, moments, bytes_per_element: int = 2):
                               "with its gradient and optimizer shards)"),
                         Patch(facecolor=COLORS["params"], label="units held whole (gathered, transient)")],
                loc="outside upper center", ncols=2, fontsize=8, frameon=False)
-    fig.supxlabel("flat parameter space, unit after unit (upper lane: shard; lower lane: gathered)", fontsize=8)
+    fig.supxlabel("flat parameter space (elements), unit after unit; upper lane: shard, lower lane: gathered", fontsize=8)
     alt = (f"Who holds what under ZeRO-3 on {n} ranks with {len(units)} units, read from each rank's event "
            f"trace. Every rank always holds its own 1/{n} slice of every unit ({shard:,} elements, "
            f"{shard * bytes_per_element:,} bytes of 16-bit parameters). " + "; ".join(said) + ".")

@@ -25,23 +25,24 @@ def topology_figure(n: int = 8, k: int = 4, hpz: int | None = None):
     """The ranks, their primary and secondary shards, and which groups stay inside a node."""
     hpz = hpz or k
     intra, inter = node_layout(n, k)
-    fig, ax = new_axes(figsize=(9, 1.4 + 1.1 * len(intra)))
+    fig, ax = new_axes(figsize=(max(6.0, 2.2 + 1.7 * k), 1.6 + 1.1 * len(intra)))
     for node, ranks in enumerate(intra):
         y = -node * 1.6
-        ax.add_patch(Rectangle((-0.3, y - 0.35), k + 0.1, 1.2, fill=False, linestyle="--", color="gray"))
+        ax.add_patch(Rectangle((-0.3, y - 0.35), k + 0.4, 1.2, fill=False, linestyle="--", color="gray"))
         ax.text(-0.5, y + 0.25, f"node {node}", ha="right", va="center", fontsize=8)
         for b, r in enumerate(ranks):
             ax.add_patch(Rectangle((b, y), 0.8, 0.7, color="tab:blue", alpha=0.25))
             ax.text(b + 0.4, y + 0.5, f"rank {r}", ha="center", fontsize=7)
             ax.text(b + 0.4, y + 0.25, f"primary {r}/{n}", ha="center", fontsize=6)
             ax.text(b + 0.4, y + 0.05, f"secondary {r % hpz}/{hpz}", ha="center", fontsize=6, color="tab:green")
-    for b, ranks in enumerate(inter):
-        ax.plot([b + 0.4] * len(ranks), [-a * 1.6 - 0.35 for a in range(len(ranks))], color="tab:red", lw=1)
-    ax.set_xlim(-1.4, k + 0.2)
+    for b, ranks in enumerate(inter):      # box edge to box edge: the line never crosses a box's text
+        for a in range(len(ranks) - 1):
+            ax.plot([b + 0.4] * 2, [-a * 1.6, -(a + 1) * 1.6 + 0.7], color="tab:red", lw=1.5)
+    ax.set_xlim(-1.4, k + 0.3)
     ax.set_ylim(-1.6 * len(intra) + 0.9, 1.0)
     ax.axis("off")
-    ax.set_title(f"ZeRO++ on {len(intra)} nodes x {k}: dashed = a node (forward gather over all {n}; backward "
-                 f"gather from the secondary, inside it); red = inter-node groups", fontsize=8)
+    ax.set_title(f"ZeRO++ on {len(intra)} nodes x {k}. Dashed: a node (forward gather over all {n};\n"
+                 f"backward gather from the secondary, inside it). Red: the inter-node groups", fontsize=8)
     alt = (f"{n} ranks drawn as {len(intra)} nodes of {k}. Each rank holds primary shard r of {n} and secondary "
            f"shard r mod {hpz} of {hpz}. The intra-node groups are {intra}; the inter-node groups, drawn as red "
            f"lines, are {inter}. The forward all-gather spans all {n} ranks; with hpZ the backward all-gather "

@@ -233,7 +233,8 @@ def bandwidth_curves(links, n, op="all_reduce", sizes=None, ax=None, title=None)
 
 KIND_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer step": "#8172B3",
                "all-gather": "#DD8452", "reduce-scatter": "#C44E52", "all-reduce": "#CCB974",
-               "all-to-all": "#937860", "broadcast": "#DA8BC3"}   # one colour per kind, measured or replayed
+               "all-to-all": "#937860", "broadcast": "#DA8BC3",   # one colour per kind, measured or replayed
+               "grad reduction": "#C44E52", "param all-gather": "#DD8452"}   # book.runs' rows: as reduce/gather
 
 
 def plot_timeline(events_per_rank, ax=None, title=None, colors=None, labels=None, ranks=None):
@@ -264,8 +265,10 @@ def plot_timeline(events_per_rank, ax=None, title=None, colors=None, labels=None
     kinds = sorted({k for evs in rows for k, _, _ in evs})
     palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
     colors = dict(colors or {})
-    for i, k in enumerate(k for k in kinds if k not in colors):
-        colors[k] = KIND_COLORS.get(k, palette[i % len(palette)])
+    for k in kinds:                                   # a kind of its own gets a colour no other kind has
+        if k not in colors:
+            free = [c for c in palette if c not in colors.values()] or palette
+            colors[k] = KIND_COLORS.get(k) if KIND_COLORS.get(k) not in (None, *colors.values()) else free[0]
     seen = set()                                      # one legend entry per kind
     for r, evs in enumerate(rows):
         for kind in kinds:
