@@ -13,29 +13,16 @@ from zerolab.theory.offload import offload_seconds
 from zerolab.theory.replay import replay as zl_replay
 from zerolab.theory.shapes import get_shape
 
+from test_replay import comp, opt   # the hand-made records of the replay's tests
+from test_replay import meta as replay_meta
+
 ADAM, PCIE, NVME = ("optimizer: CPU Adam (host memory)", "optimizer: PCIe (grads down, params up)",
                     "optimizer: NVMe (state in and out)")
 
 
 def meta(world=1, rank=0, **kw):
-    info = {"rank": rank, "world": world, "ranks_per_node": world, "stage": 2, "dp": world, "tp": 1, "pp": 1,
-            "units": [("rest", 1000, 1000), ("blocks.0", 1000, 1000)], "param_collective": "all_gather",
-            "master": True, "dtype_bytes": 2, "offload": "cpu", "gas": 1}
-    info.update(kw)
-    return ("trace-meta", -1, 0.0, info)
-
-
-def comp(unit, flops, phase="forward"):
-    return ("compute", unit, 0.0, {"phase": phase, "flops": flops, "start": 0.0})
-
-
-def issue(seq, op, nbytes, members=(0, 1)):
-    return ("coll-issued", seq, 0.0, {"op": op, "nbytes": nbytes, "members": tuple(members), "group": None,
-                                      "tag": f"t{seq}", "control": False})
-
-
-def opt(numel):
-    return ("optimizer", -1, 0.0, {"numel": numel})
+    """test_replay's hand-made meta record, for an offloaded ZeRO-2 step with an fp32 master."""
+    return replay_meta(world, rank=rank, **{"stage": 2, "master": True, "offload": "cpu", **kw})
 
 
 def one_rank(offload="cpu", numel=10**9, flops=1e12):

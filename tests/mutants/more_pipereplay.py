@@ -20,7 +20,7 @@ MUTANTS = [
            (f"{P}::test_each_schedule_replayed_at_llama_size_gives_its_formula_when_p2p_is_free",),
            "GPipe's and 1F1B's bubble counted over p stages instead of p - 1: above what the schedule idles"),
     Mutant("pipe-trace-loses-weight-grad", "zerolab/parallel/pipeline_trace.py",
-           'PHASES = {"F": "forward", "B": "backward", "W": "weight-grad"}',
+           'from zerolab.theory.replay_pipe import PHASES   # "F" -> "forward", ...: the names the replay reads back',
            'PHASES = {"F": "forward", "B": "backward", "W": "backward"}',
            ("tests/test_replay_pipeline_traced.py",),
            "ZB's deferred weight-gradient pass recorded as a second backward: the trace no longer names W"),

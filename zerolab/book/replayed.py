@@ -45,8 +45,9 @@ def config(zero: dict, bf16: bool = True, zerolab: dict | None = None) -> dict:
     return cfg
 
 
-def traced_steps(configs: dict, layers: int, batch: int = BATCH) -> dict:
-    """Runs on every rank: per setting, ``engine.events`` of one optimizer step after a warm-up step."""
+def traced_steps(configs: dict, layers: int, batch: int = BATCH, warmup: bool = True) -> dict:
+    """Runs on every rank: per setting, ``engine.events`` of one optimizer step after a warm-up step
+    (``warmup=False``: the first step, enough where the order of collectives is fixed from the start)."""
     import torch
     import zerolab.engine as engine_api
     from zerolab.book.models import TinyGPT
@@ -57,8 +58,8 @@ def traced_steps(configs: dict, layers: int, batch: int = BATCH) -> dict:
         engine = engine_api.initialize(model, cfg)
         g = torch.Generator().manual_seed(engine.rank)
         x = torch.randint(0, TOY["vocab"], (batch, TOY["seq_len"]), generator=g)
-        for _ in range(2):
-            engine.events.clear()
+        for _ in range(2 if warmup else 1):
+            engine.events.clear()   # keeps the trace-meta record
             for _ in range(engine.gas):
                 logits = engine(x)
                 engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x.flatten()))

@@ -136,25 +136,11 @@ def traced_step(configs: dict, layers: int, batch: int = replayed.BATCH) -> dict
     """Runs on every rank: per setting, ``engine.events`` of its first optimizer step (ZeRO-1/2 need no
     warm-up step: their order of collectives is fixed from the start; ZeRO-3 learns its unit order in
     the first step, so use ``replayed.traced_steps`` there)."""
-    import torch
-    import zerolab.engine as engine_api
-    from zerolab.book.models import TinyGPT
-    torch.set_num_threads(1)
-    out = {}
     for name, cfg in configs.items():
         if cfg["zero_optimization"].get("stage", 0) >= 3:
             raise ValueError(f"setting {name!r}: traced_step records a first step, which at ZeRO-3 has no "
                              f"unit order yet; use zerolab.book.replayed.traced_steps")
-        engine = engine_api.initialize(TinyGPT(n_layer=layers, **replayed.TOY), cfg)
-        g = torch.Generator().manual_seed(engine.rank)
-        x = torch.randint(0, replayed.TOY["vocab"], (batch, replayed.TOY["seq_len"]), generator=g)
-        for _ in range(engine.gas):
-            logits = engine(x)
-            engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x.flatten()))
-            engine.step()
-        out[name] = list(engine.events)
-        engine.close()
-    return out
+    return replayed.traced_steps(configs, layers, batch, warmup=False)
 
 
 def record(settings: dict, model=replayed.TARGET, world_size: int = 2) -> dict:

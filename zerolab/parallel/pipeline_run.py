@@ -40,6 +40,7 @@ from zerolab.parallel.pipeline_schedule import P2P, schedule
 from zerolab.parallel.pipeline_stats import StepRecorder, pipeline_bubble
 from zerolab.parallel.pipeline_trace import PipeTracer
 from zerolab.parallel.pipeline_zb import run_w, split_linears
+from zerolab.theory.replay_pipe import p2p_tag   # the one rule both the run and its replay follow
 
 __all__ = ["train_batch", "pipeline_bubble"]
 
@@ -89,7 +90,7 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", trac
                 rec.weight_passes += run_w(stores.pop((i, c)))
             continue
         if op == "F":
-            x = batches[i][0] if first else _leaf(link.recv((j - 1) % p, _tag(v, "F", j)))
+            x = batches[i][0] if first else _leaf(link.recv((j - 1) % p, p2p_tag(v, "F", j)))
             deferring = split_linears(stores.setdefault((i, c), [])) if split else contextlib.nullcontext()
             with timed("F", i, c), deferring:
                 y = module.forward_chunk(c, x) if v > 1 else stage(x)
@@ -97,11 +98,11 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", trac
                     y = loss_fn(y, batches[i][1])
                     losses.append(y.detach().float())
             if not last:
-                link.send(y, (j + 1) % p, _tag(v, "F", j + 1))
+                link.send(y, (j + 1) % p, p2p_tag(v, "F", j + 1))
             inputs[(i, c)], outputs[(i, c)] = x, y
             continue
         x, y = inputs.pop((i, c)), outputs.pop((i, c))
-        grad = link.recv((j + 1) % p, _tag(v, "B", j)) if not last and _floats(y) else None
+        grad = link.recv((j + 1) % p, p2p_tag(v, "B", j)) if not last and _floats(y) else None
         defer = bool(tied) and engine is not None and k == last_b
         with timed("B", i, c):
             if last:
@@ -115,7 +116,7 @@ def train_batch(stage, mesh, batches, loss_fn, schedule_kind: str = "1f1b", trac
             else:
                 engine.backward(target)
         if not first and _floats(x):   # before the step: at the boundary it all-reduces the norm over PP too
-            link.send(_input_grads(x), (j - 1) % p, _tag(v, "B", j - 1))
+            link.send(_input_grads(x), (j - 1) % p, p2p_tag(v, "B", j - 1))
         if defer:
             _sum_tied_then_reduce(engine, mesh, tied)
         if engine is not None:
@@ -153,12 +154,6 @@ def _check_kind(kind: str, v: int, engine) -> None:
         raise ValueError(f"train_batch: the {kind!r} schedule runs on a plain stage module (gradients in .grad, "
                          f"your optimizer steps); an engine reduces and steps inside one whole backward per "
                          f"micro-batch")
-
-
-def _tag(v: int, op: str, j: int) -> int:
-    """The point-to-point tag of what virtual stage ``j`` receives: its input ("F") or its output's gradient
-    ("B"); 0 without chunks (one stream per direction and pair of ranks)."""
-    return 0 if v == 1 else 2 * j + (1 if op == "F" else 2)
 
 
 def _floats(t) -> list:

@@ -20,8 +20,7 @@ import time
 from contextlib import contextmanager
 
 from zerolab.runtime.trace import Record, _CountFlops
-
-PHASES = {"F": "forward", "B": "backward", "W": "weight-grad"}
+from zerolab.theory.replay_pipe import PHASES   # "F" -> "forward", ...: the names the replay reads back
 
 
 class PipeTracer:

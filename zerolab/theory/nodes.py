@@ -69,6 +69,11 @@ class Node:
         bw = min(self.intra.bandwidth, self.network_bandwidth)
         return Link(f"{self.name} ring across nodes", bw, max(self.intra.latency, self.nic_latency))
 
+    def nic_share(self) -> Link:
+        """One GPU's share of the node's NICs: what a point-to-point message between nodes runs at
+        (a pipeline's send, every GPU of the node sending beside it)."""
+        return Link(f"{self.name} NIC share", self.network_bandwidth / self.gpus, self.nic_latency)
+
     def group_link(self, members=None, *, size: int | None = None, per_node: int | None = None) -> Link:
         """The link a ring over a group runs at, from where its ranks sit (rank r on node r // gpus).
 

@@ -28,6 +28,7 @@ from zerolab.theory.hardware import ADAM_HOST_BYTES
 from zerolab.theory.network import ring_bytes, ring_steps
 from zerolab.theory.replay_cluster import Cluster, get_cluster
 from zerolab.theory.replay_scale import ReplayError, Scaler, count_passes, placement
+from zerolab.theory.replay_scale import record_info as _info
 
 __all__ = ["Cluster", "Replay", "ReplayError", "get_cluster", "replay"]
 ADAM_HBM = {True: 30, False: 28}   # HBM bytes per element of an Adam update: with an fp32 master / without
@@ -79,11 +80,6 @@ class Replay:
                   fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.set_title(title or f"Replayed on {self.cluster} (modelled): {self.step_seconds * 1e3:.1f} ms per step")
         return ax
-
-
-def _info(e):
-    """A record's details: ``.info`` (runtime/trace.py's Record) or a fourth field (hand-made traces)."""
-    return getattr(e, "info", None) if len(e) < 4 else e[3]
 
 
 def _parse(traces):

@@ -38,9 +38,11 @@ from dataclasses import dataclass
 from zerolab.theory.network import Link
 from zerolab.theory.replay_cluster import get_cluster
 from zerolab.theory.replay_scale import ReplayError
+from zerolab.theory.replay_scale import record_info as _info
 from zerolab.theory.shapes import get_shape
 
 OPS = {"forward": "F", "backward": "B", "weight-grad": "W"}
+PHASES = {op: phase for phase, op in OPS.items()}
 
 
 class P2PMismatchError(ReplayError):
@@ -93,10 +95,6 @@ class PipeReplay:
         ax.set_title(title or f"Replayed on {self.cluster} (modelled): {self.step_seconds * 1e3:.2f} ms, "
                               f"bubble {100 * self.bubble:.1f} %")
         return ax
-
-
-def _info(e):
-    return getattr(e, "info", None) if len(e) < 4 else e[3]
 
 
 def _parse(traces):
@@ -157,14 +155,15 @@ def p2p_link(cluster, a: int, b: int, ranks_per_node: int) -> Link:
         raise ReplayError(f"the trace has {ranks_per_node} ranks per node, {cluster} has {node.gpus} GPUs a node")
     if a // ranks_per_node == b // ranks_per_node:
         return node.intra
-    return Link(f"{node.name} NIC share", node.network_bandwidth / node.gpus, node.nic_latency)
+    return node.nic_share()
 
 
 class _Target:
     """FLOPs and message bytes of a target shape, per op and virtual stage (module docstring)."""
 
-    def __init__(self, model, meta):
+    def __init__(self, model, meta, split: bool):
         self.shape = s = get_shape(model)
+        self.split = split                                 # B excludes W (a ZB trace): W is charged apart
         V = meta["pp"] * meta.get("v", 1)
         if V > s.layers:
             raise ReplayError(f"{V} virtual stages for {s.name}'s {s.layers} layers: every stage needs a layer")
@@ -182,8 +181,6 @@ class _Target:
         w = n * self.w + head * s.rest_flops("forward")
         return w if op == "W" else n * s.layer_flops("backward") + head * s.rest_flops("backward") - w * self.split
 
-    split = False
-
 
 def replay_pipeline(traces, cluster, model=None) -> PipeReplay:
     """Replay a traced pipeline step (module docstring); ``cluster`` as ``replay``'s."""
@@ -196,9 +193,8 @@ def replay_pipeline(traces, cluster, model=None) -> PipeReplay:
         raise ReplayError(f"the trace's {meta['world']} ranks sat on {nodes} node(s) of {rpn}; {cluster} has "
                           f"{cluster.nodes} node(s) of {cluster.hardware.node.gpus} GPUs")
     keys = _pairs(progs)
-    target = _Target(model, meta) if model is not None else None
-    if target is not None:
-        target.split = any(it[0] == "compute" and it[1] == "W" for prog in progs for it in prog)
+    split = any(it[0] == "compute" and it[1] == "W" for prog in progs for it in prog)
+    target = _Target(model, meta, split) if model is not None else None
     rate, R = cluster.hardware.flops, len(progs)
     t, pc, mk = [0.0] * R, [0] * R, [0] * R
     ops, spans, waits = [[] for _ in range(R)], [[] for _ in range(R)], [0.0] * R
@@ -214,8 +210,7 @@ def replay_pipeline(traces, cluster, model=None) -> PipeReplay:
                     f = target.flops(it[1], it[4]) if target else it[5]
                     d = f / rate
                     ops[r].append((it[1], it[2], it[3], t[r], t[r] + d))
-                    spans[r].append(({"F": "forward", "B": "backward", "W": "weight-grad"}[it[1]], t[r], t[r] + d,
-                                     "compute"))
+                    spans[r].append((PHASES[it[1]], t[r], t[r] + d, "compute"))
                     t[r] += d
                     flops[r] += f
                 elif it[0] == "send":
@@ -260,7 +255,6 @@ def orders_trace(orders, f, b, w=0.0, nbytes=0, v=1, ranks_per_node=None, head=F
     split = any(a[0] == "W" for order in orders for a in order)
     f, b, w = ([x] * V if isinstance(x, (int, float)) else list(x) for x in (f, b, w))
     cost = {"F": f, "B": b if split else [x + y for x, y in zip(b, w)], "W": w}
-    phase = {"F": "forward", "B": "backward", "W": "weight-grad"}
     out = []
     for r, order in enumerate(orders):
         meta = {"pipeline": True, "rank": r, "world": p, "ranks_per_node": ranks_per_node or p, "pp": p, "v": v,
@@ -272,20 +266,21 @@ def orders_trace(orders, f, b, w=0.0, nbytes=0, v=1, ranks_per_node=None, head=F
             msg = lambda kind, peer, tag: ("p2p", 0, 0.0, {"op": kind, "nbytes": nbytes, "peer": peer, "group": "pp",
                                                           "tag": tag, "issued": 0.0, "waited": 0.0})
             if op == "F" and j > 0:
-                tr.append(msg("recv", (j - 1) % p, _tag(v, "F", j)))
+                tr.append(msg("recv", (j - 1) % p, p2p_tag(v, "F", j)))
             if op == "B" and j < V - 1:
-                tr.append(msg("recv", (j + 1) % p, _tag(v, "B", j)))
-            tr.append(("compute", j, 0.0, {"phase": phase[op], "micro": i, "chunk": c, "stage": j,
+                tr.append(msg("recv", (j + 1) % p, p2p_tag(v, "B", j)))
+            tr.append(("compute", j, 0.0, {"phase": PHASES[op], "micro": i, "chunk": c, "stage": j,
                                            "flops": cost[op][j], "start": 0.0}))
             if op == "F" and j < V - 1:
-                tr.append(msg("send", (j + 1) % p, _tag(v, "F", j + 1)))
+                tr.append(msg("send", (j + 1) % p, p2p_tag(v, "F", j + 1)))
             if op == "B" and j > 0:
-                tr.append(msg("send", (j - 1) % p, _tag(v, "B", j - 1)))
+                tr.append(msg("send", (j - 1) % p, p2p_tag(v, "B", j - 1)))
         tr.append(("p2p-drain", -1, 0.0, None))
         out.append(tr)
     return out
 
 
-def _tag(v: int, op: str, j: int) -> int:
-    """``train_batch``'s tag of what virtual stage j receives (0 without chunks)."""
+def p2p_tag(v: int, op: str, j: int) -> int:
+    """The point-to-point tag of what virtual stage ``j`` receives: its input ("F") or its output's gradient
+    ("B"); 0 without chunks (one stream per direction and pair of ranks). ``train_batch`` sends by it."""
     return 0 if v == 1 else 2 * j + (1 if op == "F" else 2)

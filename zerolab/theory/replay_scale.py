@@ -27,6 +27,11 @@ class ReplayError(ValueError):
     """A trace the replay cannot replay: the message names the rank, collective or record."""
 
 
+def record_info(e):
+    """A trace record's details: ``.info`` (runtime/trace.py's Record) or a fourth field (hand-made traces)."""
+    return getattr(e, "info", None) if len(e) < 4 else e[3]
+
+
 def placement(members, group, meta, gpus, per_node_gpus):
     """``(size, per_node, kind)`` on the cluster of the recorded group ``members`` (module docstring)."""
     n, world, k = len(members), meta["world"], meta["ranks_per_node"]

@@ -50,8 +50,7 @@ def mesh_links(node: Node, n_gpus: int, tp: int, pp: int) -> dict:
     if tp > k:
         raise ValueError(f"tp={tp} is larger than the GPUs per node ({k} on {node.name}): TP all-reduces every "
                          f"block and stays inside a node (zl.mesh refuses it too)")
-    nic = Link(f"{node.name} NIC share", node.network_bandwidth / k, node.nic_latency)
-    pp_link = node.intra if tp * pp <= k else nic
+    pp_link = node.intra if tp * pp <= k else node.nic_share()
     if n_gpus <= k:
         dp_link = node.intra
     else:
